@@ -1,0 +1,57 @@
+"""Settings for every part of kernelcrew, read from the environment (prefix KERNELCREW_)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "kernelcrew"
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kernelcrew"
+
+
+class Settings(BaseSettings):
+    """All configuration; each field is also the environment variable KERNELCREW_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="KERNELCREW_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=_default_data_dir, description="Runs, reports, database file.")
+    cache_dir: Path = Field(default_factory=_default_cache_dir, description="Build caches (Triton, CUDA).")
+    precision: Literal["strict", "relaxed"] = "strict"
+
+    # Sandbox: every task and candidate runs in a child process under these limits.
+    sandbox_user: str = Field("nobody", description="Unprivileged user the child drops to when run as root.")
+    sandbox_timeout_s: float = 300.0
+    sandbox_cpu_s: int = 1800
+    sandbox_memory_mb: int = Field(32768, description="RLIMIT_DATA of the child (CUDA survives it).")
+    sandbox_max_procs: int = Field(512, description="pids cgroup limit / RLIMIT_NPROC of the child.")
+    sandbox_max_open_files: int = 1024
+    sandbox_max_output_bytes: int = Field(
+        8 * 1024 * 1024, description="stdout+stderr before the child is killed."
+    )
+    sandbox_max_file_bytes: int = Field(
+        16 * 1024**3, description="RLIMIT_FSIZE: largest file a child writes."
+    )
+
+    # Verification protocol.
+    verify_seeds: int = Field(5, ge=5, description="Fresh get_inputs() seeds per verification (at least 5).")
+    compute_sanitizer: bool = Field(
+        False, description="Run compute-sanitizer memcheck on the smallest input set."
+    )
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process-wide settings, built on first use (never at import)."""
+    return Settings()

@@ -1,0 +1,1 @@
+"""Deterministic tools the agents call: sandbox, build, verification, timing, hardware. No LLM in here."""
