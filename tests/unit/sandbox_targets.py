@@ -1,0 +1,91 @@
+"""Sandbox targets for tests: each one misbehaves in a specific way inside the child."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def echo(payload, workdir):
+    return {"payload": payload, "cwd": os.getcwd(), "uid": os.getuid()}
+
+
+def environment(payload, workdir):
+    return {"env": dict(os.environ)}
+
+
+def raises(payload, workdir):
+    raise ValueError("bad value from user code")
+
+
+def exits(payload, workdir):
+    sys.exit(3)
+
+
+def hard_exit(payload, workdir):
+    os._exit(7)
+
+
+def segfault(payload, workdir):
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def spin(payload, workdir):
+    while True:
+        pass
+
+
+def sleepy(payload, workdir):
+    time.sleep(600)
+
+
+def chatty(payload, workdir):
+    line = "x" * 1023 + "\n"
+    for _ in range(1_000_000):
+        sys.stdout.write(line)
+    return {"done": True}
+
+
+def allocate(payload, workdir):
+    data = bytearray(int(payload["bytes"]))
+    return {"allocated": len(data)}
+
+
+def fork_many(payload, workdir):
+    """Fork at most payload['n'] sleeping children; report how many forks succeeded."""
+    made, error = 0, None
+    for _ in range(int(payload["n"])):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            error = exc.strerror
+            break
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        made += 1
+    return {"forked": made, "error": error}
+
+
+def orphan(payload, workdir):
+    """Leave a grandchild in its own session behind, then return."""
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        Path(payload["pidfile"]).write_text(str(os.getpid()))
+        time.sleep(120)
+        os._exit(0)
+    for _ in range(200):
+        if Path(payload["pidfile"]).exists():
+            break
+        time.sleep(0.01)
+    return {"grandchild": int(Path(payload["pidfile"]).read_text())}
+
+
+def write_file(payload, workdir):
+    Path("inside.txt").write_text("ok")
+    return {"files": os.listdir(".")}

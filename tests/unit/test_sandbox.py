@@ -1,0 +1,161 @@
+"""The sandbox turns every way user code can misbehave into a structured result."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kernelcrew.config import Settings
+from kernelcrew.tools import sandbox
+from kernelcrew.tools.sandbox import SandboxLimits
+
+T = "tests.unit.sandbox_targets"
+
+
+@pytest.fixture
+def limits() -> SandboxLimits:
+    return SandboxLimits(
+        wall_s=20, cpu_s=60, memory_bytes=2 * 1024**3, max_procs=64, max_output_bytes=1 << 20
+    )
+
+
+def test_returns_the_value_and_runs_in_its_own_directory(limits):
+    res = sandbox.run(f"{T}:echo", {"a": 1}, limits=limits)
+    assert res.ok, res
+    assert res.value["payload"] == {"a": 1}
+    assert res.value["cwd"].endswith("/child")
+    assert res.isolation["memory_limit"].startswith("RLIMIT_DATA")
+
+
+def test_environment_is_scrubbed(limits, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("KERNELCREW_DATABASE_URL", "postgresql://u:p@h/db")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    res = sandbox.run(f"{T}:environment", {}, limits=limits)
+    env = res.value["env"]
+    assert "OPENAI_API_KEY" not in env and "KERNELCREW_DATABASE_URL" not in env
+    assert "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["HOME"].endswith("/child")
+    assert set(env) <= set(sandbox.ENV_ALLOW) | {
+        "PATH",
+        "HOME",
+        "TMPDIR",
+        "PYTHONPATH",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONUNBUFFERED",
+        "LANG",
+    }
+
+
+def test_exception_becomes_error_record(limits):
+    res = sandbox.run(f"{T}:raises", {}, limits=limits)
+    assert res.status == "error"
+    assert res.error_type == "ValueError"
+    assert "bad value from user code" in res.message
+    assert "sandbox_targets.py" in res.traceback
+
+
+def test_sys_exit_is_caught(limits):
+    res = sandbox.run(f"{T}:exits", {}, limits=limits)
+    assert res.status == "error" and res.error_type == "SystemExit"
+
+
+def test_os_exit_without_result_is_a_crash(limits):
+    res = sandbox.run(f"{T}:hard_exit", {}, limits=limits)
+    assert res.status == "crashed" and res.returncode == 7
+    assert "without a result" in res.message
+
+
+def test_segfault_is_a_crash_and_the_caller_survives(limits):
+    res = sandbox.run(f"{T}:segfault", {}, limits=limits)
+    assert res.status == "crashed"
+    assert res.signal == "SIGSEGV"
+    assert "segmentation fault" in res.message
+
+
+def test_infinite_loop_times_out_and_the_group_is_killed(limits):
+    fast = SandboxLimits(**{**limits.__dict__, "wall_s": 3})
+    started = time.monotonic()
+    res = sandbox.run(f"{T}:spin", {}, limits=fast)
+    assert res.status == "timeout"
+    assert time.monotonic() - started < 15
+    assert "timed out after 3 s" in res.message
+
+
+def test_cpu_time_limit_kills_a_spinning_child(limits):
+    res = sandbox.run(f"{T}:spin", {}, limits=SandboxLimits(**{**limits.__dict__, "wall_s": 30, "cpu_s": 2}))
+    assert res.status == "crashed"
+    assert res.signal in ("SIGXCPU", "SIGKILL")
+
+
+def test_printing_too_much_is_stopped(limits):
+    res = sandbox.run(f"{T}:chatty", {}, limits=limits)
+    assert res.status == "output_limit"
+    assert res.output_bytes > limits.max_output_bytes
+    assert res.output_tail.endswith("x\n") or "x" in res.output_tail
+
+
+def test_huge_allocation_fails_cleanly(limits):
+    res = sandbox.run(f"{T}:allocate", {"bytes": 100 * 1024**3}, limits=limits)
+    assert res.status == "error" and res.error_type == "MemoryError"
+    ok = sandbox.run(f"{T}:allocate", {"bytes": 64 * 1024**2}, limits=limits)
+    assert ok.ok and ok.value["allocated"] == 64 * 1024**2
+
+
+def test_writes_stay_in_the_child_directory(limits):
+    res = sandbox.run(f"{T}:write_file", {}, limits=limits)
+    assert res.ok and "inside.txt" in res.value["files"]
+
+
+def test_orphaned_grandchild_is_killed(limits, tmp_path):
+    pidfile = tmp_path / "pid"
+    os.chmod(tmp_path, 0o777)
+    res = sandbox.run(f"{T}:orphan", {"pidfile": str(pidfile)}, limits=limits)
+    assert res.ok, res
+    pid = res.value["grandchild"]
+    if "cgroup" not in res.isolation["pids_limit"]:
+        os.kill(pid, 9)
+        pytest.skip("no pids cgroup here: a process that calls setsid() leaves the process group")
+    assert _dead(pid)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for init to reap it."""
+    for _ in range(100):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_process_limit_holds(limits):
+    """A bounded fork bomb (at most 300 forks) stops at the limit; only run where a limit is proven."""
+    probe = sandbox.run(f"{T}:echo", {}, limits=limits)
+    enforced = "cgroup" in probe.isolation["pids_limit"] or probe.isolation["pids_limit"] == "RLIMIT_NPROC"
+    if not enforced:
+        pytest.skip(f"no process limit can be enforced here: {probe.isolation['pids_limit']}")
+    res = sandbox.run(f"{T}:fork_many", {"n": 300}, limits=limits)
+    assert res.ok, res
+    assert res.value["forked"] < limits.max_procs
+    assert res.value["error"]
+
+
+def test_privilege_drop_is_reported():
+    can, reason = sandbox.privilege_drop(Settings())
+    assert isinstance(can, bool) and reason
+    if os.geteuid() != 0:
+        assert not can
+
+
+def test_missing_sandbox_user_is_reported():
+    sandbox._drop_cache.pop("no-such-user-kc", None)
+    can, reason = sandbox.privilege_drop(Settings(sandbox_user="no-such-user-kc"))
+    if os.geteuid() == 0:
+        assert not can and "does not exist" in reason
