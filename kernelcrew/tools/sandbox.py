@@ -368,6 +368,9 @@ def run(
         _kill_group(proc)
         cgroup.remove()
         output.join(timeout=5)
+        if ident is not None:  # hand the caches back: no later child may write into this one's
+            for path in writable:
+                _chown_tree(path, os.geteuid(), os.getegid())
     wall = time.monotonic() - started
     if output.exceeded:
         status = "output_limit"

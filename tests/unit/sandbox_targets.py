@@ -73,19 +73,24 @@ def fork_many(payload, workdir):
 
 def orphan(payload, workdir):
     """Leave a grandchild in its own session behind, then return."""
+    pidfile = Path("grandchild.pid").resolve()
     pid = os.fork()
     if pid == 0:
         os.setsid()
-        Path(payload["pidfile"]).write_text(str(os.getpid()))
+        pidfile.write_text(str(os.getpid()))
         time.sleep(120)
         os._exit(0)
     for _ in range(200):
-        if Path(payload["pidfile"]).exists():
+        if pidfile.exists() and pidfile.read_text():
             break
         time.sleep(0.01)
-    return {"grandchild": int(Path(payload["pidfile"]).read_text())}
+    return {"grandchild": int(pidfile.read_text())}
 
 
 def write_file(payload, workdir):
     Path("inside.txt").write_text("ok")
     return {"files": os.listdir(".")}
+
+
+def read_path(payload, workdir):
+    return {"text": Path(payload["path"]).read_bytes()[:16].hex()}
