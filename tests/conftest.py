@@ -1,0 +1,34 @@
+"""Shared fixtures: an isolated cache and data directory for every test session."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kernelcrew.config import get_settings
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_dirs(tmp_path_factory):
+    """Build caches and data under a temporary directory, never the user's home."""
+    root = tmp_path_factory.mktemp("kernelcrew")
+    root.chmod(0o755)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KERNELCREW_CACHE_DIR", str(root / "cache"))
+        mp.setenv("KERNELCREW_DATA_DIR", str(root / "data"))
+        get_settings.cache_clear()
+        yield root
+    get_settings.cache_clear()
+
+
+def fixture_meta(path: Path) -> tuple[str, str]:
+    """The ``TASK:`` and ``EXPECT:`` lines of a fixture candidate's docstring."""
+    text = path.read_text()
+    task = re.search(r"^TASK: (\w+)$", text, re.M)
+    expect = re.search(r"^EXPECT: (\w+)$", text, re.M)
+    assert task and expect, f"{path.name} lacks TASK/EXPECT lines"
+    return task.group(1), expect.group(1)
