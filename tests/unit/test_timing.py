@@ -1,0 +1,354 @@
+"""Tests of kernelcrew.tools.timing on the CPU: real callables, real clocks, no mocks of torch."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kernelcrew.tools.timing import CLOCK_CPU, TimingConfig, compile_baseline, measure, median_ci
+
+torch.manual_seed(0)
+A64 = torch.randn(64, 64)
+A128 = torch.randn(128, 128)
+A256 = torch.randn(256, 256)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a small, busy CPU two threads spinning against each other make timings erratic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def matmuls(a: torch.Tensor, times: int):
+    def fn(inputs: Sequence[Any]) -> torch.Tensor:
+        out = a
+        for _ in range(times):
+            out = torch.mm(a, a)
+        return out
+
+    return fn
+
+
+def quick(**overrides: Any) -> TimingConfig:
+    config = TimingConfig.quick()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def test_quick_config() -> None:
+    q = TimingConfig.quick()
+    d = TimingConfig()
+    assert q.min_reps <= q.max_reps
+    assert q.min_reps < d.min_reps and q.max_reps < d.max_reps and q.max_time_s < d.max_time_s
+    assert q.warmup_calls < d.warmup_calls and q.warmup_ms < d.warmup_ms
+    q.validate()
+    d.validate()
+    assert (d.warmup_calls, d.warmup_ms, d.min_reps, d.max_reps) == (10, 100.0, 100, 1000)
+    assert (d.max_time_s, d.flush_l2, d.graph_threshold_us, d.seed) == (10.0, True, 20.0, 0)
+
+
+def test_speedup_and_slowdown_are_detected() -> None:
+    callables = {
+        "base": matmuls(A128, 10),
+        "fast": matmuls(A64, 1),
+        "slow": matmuls(A256, 5),
+    }
+    out = measure(callables, [[A128]], device="cpu", config=quick(min_reps=20, max_reps=40), baseline="base")
+    json.dumps(out)  # JSON-serializable, no NaN or numpy types
+    assert out["clock"] == CLOCK_CPU == "cpu-wall"
+    assert out["device"] == "cpu"
+    assert out["graph"]["used"] is False and out["graph"]["reason"]
+    assert out["l2_flush_bytes"] == 0
+    assert set(out["results"]) == {"base", "fast", "slow"}
+    assert set(out["ratios"]) == {"fast", "slow"}  # the baseline is not compared with itself
+
+    res = out["results"]
+    assert res["slow"]["median_ms"] > res["base"]["median_ms"] > res["fast"]["median_ms"] > 0
+    for entry in res.values():
+        assert 20 <= entry["reps"] <= 40
+        assert entry["reps"] == out["rounds"]
+        assert entry["p10_ms"] <= entry["median_ms"] <= entry["p90_ms"]
+        assert entry["iqr_ms"] >= 0 and entry["spread_pct"] >= 0
+        assert entry["wall_median_ms"] == entry["median_ms"]  # the CPU has only the wall clock
+        assert entry["graph_median_ms"] is None
+        spread = (entry["p90_ms"] - entry["p10_ms"]) / entry["median_ms"] * 100
+        assert entry["spread_pct"] == pytest.approx(spread)
+
+    fast, slow = out["ratios"]["fast"], out["ratios"]["slow"]
+    assert fast["median"] > 3
+    assert 1 < fast["ci_low"] <= fast["median"] <= fast["ci_high"]
+    assert fast["significant"] is True
+    assert fast["ci_coverage"] >= 0.95
+    assert slow["median"] < 0.5
+    assert slow["ci_low"] <= slow["median"] <= slow["ci_high"] < 1
+    assert slow["significant"] is False
+    assert fast["graph_median"] is None and fast["wall_median"] == pytest.approx(fast["median"])
+
+
+def test_no_baseline_means_no_ratios() -> None:
+    out = measure({"a": matmuls(A64, 1)}, [[A64]], device="cpu", config=quick())
+    assert out["ratios"] == {} and out["baseline"] is None
+    assert out["config"] == TimingConfig.quick().__dict__
+    assert out["stop_reason"] in ("max_reps", "stable", "time_budget")
+
+
+def test_rounds_are_interleaved_in_random_order_and_rotate_inputs() -> None:
+    seen: list[tuple[str, int]] = []
+    last_input: dict[str, int] = {}
+
+    def tagged(name: str):
+        def fn(inputs: Sequence[Any]) -> int:
+            last_input[name] = inputs[0]
+            return inputs[0]
+
+        return fn
+
+    names = ["a", "b", "c", "d"]
+    input_sets = [[i] for i in range(3)]
+
+    def run(seed: int) -> list[tuple[str, int]]:
+        seen.clear()
+        measure(
+            {n: tagged(n) for n in names},
+            input_sets,
+            device="cpu",
+            config=quick(seed=seed, min_reps=12, max_reps=12),
+            check_call=lambda name: seen.append((name, last_input[name])),
+        )
+        return list(seen)
+
+    log = run(0)
+    assert len(log) == 12 * len(names)
+    rounds = [log[i : i + len(names)] for i in range(0, len(log), len(names))]
+    orders = []
+    for r, chunk in enumerate(rounds):
+        assert sorted(name for name, _ in chunk) == names  # every callable once per round
+        assert {idx for _, idx in chunk} == {r % len(input_sets)}  # one input set per round, rotating
+        orders.append(tuple(name for name, _ in chunk))
+    assert len(set(orders)) > 1  # the order is shuffled between rounds
+    assert run(0) == log  # the same seed gives the same order
+    assert run(1) != log
+
+
+def test_sample_outputs_come_from_timed_calls() -> None:
+    input_sets = [[torch.full((4,), float(i))] for i in range(3)]
+    callables = {
+        "double": lambda inputs: inputs[0] * 2,
+        "triple": lambda inputs: inputs[0] * 3,
+    }
+    samples: list[tuple[str, int, torch.Tensor]] = []
+    out = measure(
+        callables,
+        input_sets,
+        device="cpu",
+        config=quick(),
+        sample_outputs=4,
+        on_sample=lambda name, idx, value: samples.append((name, idx, value)),
+    )
+    for name, factor in (("double", 2), ("triple", 3)):
+        mine = [(idx, value) for n, idx, value in samples if n == name]
+        assert len(mine) == 4 == out["results"][name]["samples"]
+        for idx, value in mine:
+            assert 0 <= idx < len(input_sets)
+            assert torch.equal(value, input_sets[idx][0] * factor)
+
+
+def test_sample_outputs_are_reproducible_and_capped() -> None:
+    def run(k: int, seed: int = 0) -> list[tuple[str, int, int]]:
+        got: list[tuple[str, int, int]] = []
+        measure(
+            {"a": lambda x: x[0], "b": lambda x: x[0]},
+            [[i] for i in range(7)],
+            device="cpu",
+            config=quick(min_reps=10, max_reps=10, seed=seed),
+            sample_outputs=k,
+            on_sample=lambda name, idx, value: got.append((name, idx, value)),
+        )
+        return got
+
+    first = run(3)
+    assert len(first) == 6
+    assert all(idx == value for _, idx, value in first)  # the output of the call on that input set
+    assert first == run(3)  # seeded: the same reps are sampled
+    assert any(run(3, seed=s) != first for s in range(1, 4))
+    capped = run(50)  # more samples than reps: every rep is sampled once
+    assert [idx for name, idx, _ in capped if name == "a"] == [r % 7 for r in range(10)]
+
+
+def test_check_call_exceptions_propagate() -> None:
+    calls = []
+
+    def check(name: str) -> None:
+        calls.append(name)
+        if len(calls) == 3:
+            raise RuntimeError(f"global state changed by {name}")
+
+    with pytest.raises(RuntimeError, match="global state changed"):
+        measure(
+            {"a": lambda x: None, "b": lambda x: None}, [[]], device="cpu", config=quick(), check_call=check
+        )
+    assert len(calls) == 3
+
+
+def test_callable_and_on_sample_exceptions_propagate() -> None:
+    def broken(inputs: Sequence[Any]) -> None:
+        raise ZeroDivisionError("boom")
+
+    with pytest.raises(ZeroDivisionError):
+        measure({"a": broken}, [[]], device="cpu", config=quick())
+
+    def reject(name: str, idx: int, value: Any) -> None:
+        raise AssertionError("wrong output")
+
+    with pytest.raises(AssertionError, match="wrong output"):
+        measure({"a": lambda x: 1}, [[]], device="cpu", config=quick(), sample_outputs=1, on_sample=reject)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"config": quick(min_reps=30, max_reps=20)}, "max_reps"),
+        ({"config": quick(warmup_calls=0)}, "warmup_calls"),
+        ({"config": quick(max_time_s=0)}, "max_time_s"),
+        ({"callables": {}}, "no callables"),
+        ({"input_sets": []}, "no input sets"),
+        ({"input_sets": [7]}, "input set 0"),
+        ({"baseline": "nope"}, "baseline 'nope'"),
+        ({"sample_outputs": -1}, "sample_outputs"),
+        ({"sample_outputs": 2}, "on_sample"),
+        ({"device": "tpu"}, "device"),
+        ({"callables": {"a": 3}}, "not callable"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {
+        "callables": {"a": lambda x: None},
+        "input_sets": [[]],
+        "device": "cpu",
+        "config": quick(),
+    }
+    args.update(kwargs)
+    callables = args.pop("callables")
+    input_sets = args.pop("input_sets")
+    with pytest.raises(ValueError, match=message):
+        measure(callables, input_sets, **args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_without_gpu_raises() -> None:
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        measure({"a": lambda x: None}, [[]], device="cuda", config=quick())
+
+
+def test_time_budget_caps_the_rounds() -> None:
+    def sleepy(inputs: Sequence[Any]) -> None:
+        time.sleep(0.02)
+
+    config = quick(min_reps=200, max_reps=400, max_time_s=0.6)
+    started = time.perf_counter()
+    out = measure({"a": sleepy, "b": sleepy}, [[]], device="cpu", config=config, baseline="a")
+    elapsed = time.perf_counter() - started
+    assert out["stop_reason"] == "time_budget"
+    assert 6 <= out["rounds"] < 200
+    assert elapsed < 2.0
+    assert out["ratios"]["b"]["ci_low"] <= 1.05  # the same work: no convincing speedup either way
+
+
+def test_median_ci() -> None:
+    low, high, coverage = median_ci(np.arange(1, 101))
+    assert (low, high) == (40.0, 61.0)  # the textbook order statistics for n = 100
+    assert 0.95 <= coverage < 0.97
+    low, high, coverage = median_ci([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert (low, high) == (1.0, 5.0) and coverage < 0.95  # n = 5 cannot reach 95 %
+    low, high, coverage = median_ci(list(range(10)))
+    assert (low, high) == (1.0, 8.0) and coverage >= 0.95
+    with pytest.raises(ValueError):
+        median_ci([])
+    with pytest.raises(ValueError):
+        median_ci([1.0], level=1.5)
+
+
+def test_compile_baseline_rejects_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        compile_baseline(torch.nn.ReLU(), "fastest", [torch.randn(2)])
+
+
+@pytest.mark.slow  # inductor's first compile on a cold cache takes about 30 s on a small CPU
+def test_compile_baseline_on_cpu() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(4, 8)
+    fn, compile_s = compile_baseline(model, "default", [x])
+    assert compile_s > 0
+    with torch.no_grad():
+        torch.testing.assert_close(fn([x]), model(x))
+    out = measure(
+        {"eager": lambda inputs: model(*inputs), "compiled": fn}, [[x]], device="cpu", config=quick()
+    )
+    assert set(out["results"]) == {"eager", "compiled"}
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _add_chain(n: int):
+    def fn(inputs: Sequence[Any]) -> torch.Tensor:
+        y = inputs[0]
+        for _ in range(n):
+            y = y + 1
+        return y
+
+    return fn
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_events_flush_and_graphs() -> None:
+    x = torch.randn(1 << 20, device="cuda")
+    callables = {"chain": _add_chain(30), "one": _add_chain(1)}
+    out = measure(callables, [[x], [x.clone()]], device="cuda", config=quick(min_reps=20), baseline="chain")
+    json.dumps(out)
+    assert out["clock"] == "cuda-event"
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    assert out["l2_flush_bytes"] == 2 * l2
+    one, chain = out["results"]["one"], out["results"]["chain"]
+    assert one["median_ms"] * 1e3 < 20  # one small kernel: device time, launch gaps hidden by the lead
+    assert chain["wall_median_ms"] > chain["median_ms"]  # 30 launches: the wall clock shows them
+    assert out["graph"]["used"] is True
+    assert set(out["graph"]["replays"]) == {"chain", "one"}
+    assert one["graph_median_ms"] is not None and chain["graph_median_ms"] is not None
+    ratio = out["ratios"]["one"]
+    assert ratio["significant"] is True and ratio["ci_low"] > 1 and ratio["graph_median"] > 1
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_failed_capture_means_no_graph_timings() -> None:
+    x = torch.randn(1 << 16, device="cuda")
+    callables = {"ok": _add_chain(1), "syncs": lambda inputs: inputs[0] * float(inputs[0].sum().item())}
+    out = measure(callables, [[x]], device="cuda", config=quick())
+    assert out["graph"]["used"] is False
+    assert "'syncs'" in out["graph"]["reason"]
+    assert all(entry["graph_median_ms"] is None for entry in out["results"].values())
+    torch.randn(8, device="cuda")  # the failed capture left the random generator usable
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_compile_baseline() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+    x = torch.randn(16, 64, device="cuda")
+    fn, compile_s = compile_baseline(model, "default", [x])
+    assert compile_s > 0
+    with torch.no_grad():
+        torch.testing.assert_close(fn([x]), model(x))
