@@ -1,0 +1,655 @@
+"""The verification protocol: does a candidate compute the task's function, on inputs it never saw?
+
+:func:`verify` runs, in order:
+
+1. static checks of task and candidate (no code runs): bad files are ``TaskError`` (exit code 2);
+2. the anti-cheat rules on the candidate's source (:mod:`kernelcrew.tools.anticheat`);
+3. a golden child (sandboxed, before any candidate code exists anywhere): fresh inputs from
+   ``get_inputs()`` under at least 5 seeds derived from a per-run secret seed, every
+   ``get_test_inputs()`` set, signed variants of non-negative inputs where the reference stays
+   finite; the reference in ``.eval()`` with constant parameters randomized, run in float64 on the
+   device (golden) and in its own dtype (native, to measure PyTorch's own error);
+4. a candidate child (sandboxed, separate directory, no golden outputs in reach): build, weights by
+   state dict (or ``ModelNew.load_reference``), every input set with memory poisoned with NaN,
+   global state and inputs checked around every call, the same inputs twice, and the caching
+   sequence A, B, A at a new address, B's data at A's address;
+5. the judgement here, in the parent: every output against the golden by the pass rule below.
+
+Pass rule, per output: exact dtype and shape; NaN/Inf only where the golden (or PyTorch itself in
+the output dtype) has them; every element within ``atol + rtol*|golden|`` with ``atol`` scaled to
+the golden's RMS; and relative L2 error within ``max(floor, 4 x PyTorch's own error)``.
+Integer and boolean outputs must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernelcrew.config import Settings, get_settings
+from kernelcrew.task import TaskError, check_source
+from kernelcrew.tools import sandbox
+from kernelcrew.tools.anticheat import classify_kind, static_check
+
+MATMUL_OPS = frozenset(
+    {
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "addbmm",
+        "matmul",
+        "linear",
+        "convolution",
+        "_convolution",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "cudnn_convolution",
+        "mkldnn_convolution",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "scaled_dot_product_attention",
+        "einsum",
+        "_efficient_attention_forward",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Thresholds of the pass rule for one output."""
+
+    rtol: float
+    atol_rms: float
+    l2_floor: float
+    exact: bool = False
+
+
+#: (dtype class, op class or policy) -> (rtol, atol x RMS, L2 floor). Starting values of the issue.
+TOLERANCES: dict[tuple[str, str], tuple[float, float, float]] = {
+    ("fp32", "strict"): (1e-4, 1e-4, 1e-5),
+    ("fp32", "relaxed"): (5e-3, 5e-3, 2e-3),
+    ("fp16", "pointwise"): (2e-3, 2e-3, 1e-3),
+    ("fp16", "matmul"): (1e-2, 1e-2, 5e-3),
+    ("bf16", "pointwise"): (1.6e-2, 1.6e-2, 8e-3),
+    ("bf16", "matmul"): (2e-2, 2e-2, 1e-2),
+}
+
+
+def tolerance_for(dtype: str, op_class: str, policy: str) -> Tolerance:
+    """The thresholds for an output of ``dtype`` from a reference of ``op_class`` under ``policy``."""
+    if dtype in ("float32", "float64", "complex64", "complex128"):
+        return Tolerance(*TOLERANCES[("fp32", policy)])
+    if dtype == "float16":
+        return Tolerance(*TOLERANCES[("fp16", op_class)])
+    if dtype == "bfloat16":
+        return Tolerance(*TOLERANCES[("bf16", op_class)])
+    if dtype.startswith("float8"):
+        return Tolerance(*TOLERANCES[("bf16", "matmul")])
+    return Tolerance(0.0, 0.0, 0.0, exact=True)
+
+
+def op_class(reference_ops: dict[str, int]) -> str:
+    """``matmul`` when the reference runs a matmul, convolution or attention op, else ``pointwise``."""
+    return "matmul" if set(reference_ops) & MATMUL_OPS else "pointwise"
+
+
+@dataclass
+class Failure:
+    """A structured verification failure the coder can act on."""
+
+    stage: str
+    message: str
+    input_set: dict[str, Any] | None = None
+    output_index: int | None = None
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    first_bad_index: list[int] | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v not in (None, {}, [])}
+
+
+def compare_output(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
+    """Judge one output tensor; returns metrics and ``ok`` (and ``stage``/``message`` when not ok)."""
+    import torch
+
+    result: dict[str, Any] = {"ok": False}
+    if not isinstance(cand, torch.Tensor):
+        return {**result, "stage": "dtype", "message": f"output is a {type(cand).__name__}, not a tensor"}
+    if tuple(cand.shape) != tuple(native.shape):
+        return {
+            **result,
+            "stage": "shape",
+            "message": f"shape {tuple(cand.shape)} but the reference gives {tuple(native.shape)}",
+        }
+    if cand.dtype != native.dtype:
+        return {
+            **result,
+            "stage": "dtype",
+            "message": f"dtype {str(cand.dtype).replace('torch.', '')} but the reference gives "
+            f"{str(native.dtype).replace('torch.', '')}",
+        }
+    if tol.exact or not (cand.is_floating_point() or cand.is_complex()):
+        equal = cand.to("cpu") == golden.to(cand.dtype)
+        bad = (~equal).nonzero()
+        if len(bad):
+            idx = bad[0].tolist()
+            return {
+                **result,
+                "stage": "correctness",
+                "message": f"{len(bad)} of {cand.numel()} elements differ (exact match required)",
+                "first_bad_index": idx,
+                "max_abs_error": float((cand.double() - golden.double()).abs().max()),
+            }
+        return {"ok": True, "rel_l2": 0.0, "max_abs_error": 0.0, "max_rel_error": 0.0}
+
+    if cand.is_complex():
+        cand, golden, native = (torch.view_as_real(t) for t in (cand, golden, native))
+    c = cand.to("cpu", torch.float64)
+    g = golden.to("cpu", torch.float64)
+    n = native.to("cpu", torch.float64)
+    g_fin, c_fin, n_fin = torch.isfinite(g), torch.isfinite(c), torch.isfinite(n)
+
+    # Non-finite values: only where the golden (or PyTorch itself in this dtype) has them, and alike.
+    same_nonfinite = (
+        (c == g) | (torch.isnan(c) & torch.isnan(g)) | (c == n) | (torch.isnan(c) & torch.isnan(n))
+    )
+    bad_nonfinite = (~c_fin & ~same_nonfinite) | (~g_fin & ~n_fin & ~same_nonfinite)
+    if bool(bad_nonfinite.any()):
+        idx = bad_nonfinite.nonzero()[0].tolist()
+        count = int(bad_nonfinite.sum())
+        kind = (
+            "NaN"
+            if bool(torch.isnan(c[tuple(idx)]))
+            else ("Inf" if not bool(c_fin[tuple(idx)]) else "a finite value")
+        )
+        return {
+            **result,
+            "stage": "nan",
+            "message": f"{count} element(s) are NaN/Inf where the reference is not (first: {kind} at {idx})",
+            "first_bad_index": idx,
+        }
+
+    both = g_fin & c_fin & n_fin
+    gv, cv, nv = g[both], c[both], n[both]
+    rms = float(gv.pow(2).mean().sqrt()) if gv.numel() else 0.0
+    atol = tol.atol_rms * max(rms, 1e-30)
+    err = (cv - gv).abs()
+    limit = atol + tol.rtol * gv.abs()
+    norm_g = float(gv.norm()) if gv.numel() else 0.0
+    denom = norm_g if norm_g > 0 else 1.0
+    rel_l2 = float((cv - gv).norm()) / denom if gv.numel() else 0.0
+    ref_l2 = float((nv - gv).norm()) / denom if gv.numel() else 0.0
+    l2_limit = max(tol.l2_floor, 4.0 * ref_l2)
+    max_abs = float(err.max()) if err.numel() else 0.0
+    max_rel = float((err / gv.abs().clamp_min(max(rms, 1e-30))).max()) if err.numel() else 0.0
+    metrics = {
+        "rel_l2": rel_l2,
+        "rel_l2_limit": l2_limit,
+        "pytorch_rel_l2": ref_l2,
+        "max_abs_error": max_abs,
+        "max_rel_error": max_rel,
+        "atol": atol,
+        "rtol": tol.rtol,
+    }
+    over = err > limit
+    if bool(over.any()):
+        full = torch.zeros_like(g, dtype=torch.bool)
+        full[both] = over
+        idx = full.nonzero()[0].tolist()
+        return {
+            **result,
+            **metrics,
+            "stage": "correctness",
+            "message": f"{int(over.sum())} of {over.numel()} elements outside atol {atol:.3g} + rtol {tol.rtol:g}*|ref| "
+            f"(max abs error {max_abs:.3g}, relative L2 {rel_l2:.3g}; first at {idx})",
+            "first_bad_index": idx,
+        }
+    if rel_l2 > l2_limit:
+        return {
+            **result,
+            **metrics,
+            "stage": "correctness",
+            "message": f"relative L2 error {rel_l2:.3g} above {l2_limit:.3g} (PyTorch's own error is {ref_l2:.3g})",
+        }
+    return {"ok": True, **metrics}
+
+
+def _tf32_hint(failure: dict[str, Any], dtype: str, policy: str) -> str:
+    if policy == "strict" and dtype == "float32" and 1e-4 < failure.get("rel_l2", 0) < 3e-3:
+        return (
+            " The error is typical of TF32 or reduced-precision accumulation: under the strict policy fp32 "
+            "stays fp32 (use input_precision='ieee' in tl.dot), or verify with --precision relaxed."
+        )
+    return ""
+
+
+@dataclass
+class Verdict:
+    """Everything :func:`verify` found; ``to_dict`` is the JSON the CLI prints."""
+
+    verdict: str
+    stage: str
+    message: str
+    seed: int
+    device: str
+    precision: str
+    kind: str | None = None
+    kind_evidence: dict[str, Any] = field(default_factory=dict)
+    max_rel_error: float | None = None
+    flags: list[str] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    input_sets: list[dict[str, Any]] = field(default_factory=list)
+    isolation: dict[str, Any] = field(default_factory=dict)
+    golden_mode: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sandbox_failure(res: sandbox.SandboxResult, default_stage: str) -> Failure:
+    if res.status == "timeout":
+        return Failure("timeout", res.message)
+    if res.status == "crashed":
+        return Failure("crash", res.message, details={"output_tail": res.output_tail[-2000:]})
+    if res.status == "output_limit":
+        return Failure("output", res.message)
+    stage = (res.value or {}).get("stage", default_stage)
+    details = {k: v for k, v in (res.value or {}).items() if k != "stage"}
+    if not (res.value or {}).get("stage"):
+        details["traceback"] = res.traceback[-3000:]
+    return Failure(stage, res.message, details=details)
+
+
+GOLDEN_FILES = ("inputs.pt", "state_dict.pt", "golden.pt", "native.pt")
+
+
+@dataclass
+class Golden:
+    """Input sets, weights and golden outputs of one task, made once and judged against many times.
+
+    ``path`` holds ``inputs.pt``, ``state_dict.pt``, ``golden.pt`` and ``native.pt``; it is private
+    to the caller (candidate children only ever get copies of the inputs and weights).
+    """
+
+    path: Path
+    seed: int
+    device: str
+    precision: str
+    task_source: str
+    task_path: str
+    meta: dict[str, Any]
+    notes: list[str]
+
+    @property
+    def op_class(self) -> str:
+        return op_class(self.meta["reference_ops"])
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> Golden:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def make_golden(
+    task_source: str,
+    *,
+    device: str = "cpu",
+    precision: str = "strict",
+    seed: int | None = None,
+    task_path: str = "task.py",
+    settings: Settings | None = None,
+) -> Golden:
+    """Run the task's reference in a sandbox child; raises :class:`TaskError` for an unusable task."""
+    s = settings or get_settings()
+    if precision not in ("strict", "relaxed"):
+        raise ValueError(f"unknown precision policy {precision!r} (strict or relaxed)")
+    notes = check_source(task_source, "task", task_path)
+    seed = secrets.randbits(31) if seed is None else int(seed)
+    path = sandbox.make_workdir("kc-golden-")
+    payload = {
+        "device": device,
+        "seed": seed,
+        "precision": precision,
+        "task_source": task_source,
+        "task_path": task_path,
+        "n_seeds": s.verify_seeds,
+    }
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    res = sandbox.run("kernelcrew.tools.harness:golden_child", payload, workdir=path, env=env, settings=s)
+    if not res.ok:
+        shutil.rmtree(path, ignore_errors=True)
+        failure = _sandbox_failure(res, "task")
+        raise TaskError(
+            f"the task could not be evaluated ({failure.stage}): {failure.message}", path=task_path
+        )
+    # Make the golden private to this user: no candidate child (same sandbox user) can read it.
+    for name in GOLDEN_FILES:
+        os.replace(path / "child" / name, path / name)
+        os.chown(path / name, os.geteuid(), os.getegid())
+        os.chmod(path / name, 0o600)
+    shutil.rmtree(path / "child", ignore_errors=True)
+    path.chmod(0o700)
+    meta = dict(res.value or {})
+    meta["isolation"] = res.isolation
+    return Golden(path, seed, device, precision, task_source, task_path, meta, notes)
+
+
+def share_inputs(golden: Golden, dest: Path, settings: Settings | None = None) -> None:
+    """Copy the inputs and weights (never the golden outputs) into a child's work directory."""
+    readable = sandbox.privilege_drop(settings or get_settings())[0]
+    for name in ("inputs.pt", "state_dict.pt"):
+        shutil.copyfile(golden.path / name, dest / name)
+        if readable:
+            os.chmod(dest / name, 0o644)
+    if readable:
+        os.chmod(dest, 0o755)
+
+
+def verify(
+    task_source: str,
+    candidate_source: str,
+    *,
+    device: str = "cpu",
+    precision: str = "strict",
+    seed: int | None = None,
+    task_path: str = "task.py",
+    candidate_path: str = "candidate.py",
+    settings: Settings | None = None,
+    golden: Golden | None = None,
+) -> Verdict:
+    """Run the whole verification protocol; raises :class:`TaskError` for an unusable task file.
+
+    Pass a ``golden`` from :func:`make_golden` to judge several candidates against one set of
+    inputs and reference outputs (its device, precision and seed then apply).
+    """
+    s = settings or get_settings()
+    check_source(candidate_source, "candidate", candidate_path)
+    own_golden = golden is None
+    if golden is None:
+        check_source(task_source, "task", task_path)
+    elif golden.task_source != task_source:
+        raise ValueError("the golden was made for another task")
+    seed = golden.seed if golden else (secrets.randbits(31) if seed is None else int(seed))
+    device = golden.device if golden else device
+    precision = golden.precision if golden else precision
+    verdict = Verdict("fail", "", "", seed=seed, device=device, precision=precision)
+
+    findings = static_check(candidate_source, candidate_path)
+    verdict.checks.append(
+        {
+            "name": "static",
+            "passed": not findings,
+            "detail": [f.to_dict() for f in findings] or "no rule broken",
+        }
+    )
+    if findings:
+        first = findings[0]
+        verdict.stage, verdict.message = "static", f"line {first.line}: {first.message}"
+        verdict.failures = [Failure("static", f.message, details=f.to_dict()).to_dict() for f in findings]
+        return verdict
+
+    from kernelcrew.tools.build import build_env, cache_dirs
+
+    if golden is None:
+        golden = make_golden(
+            task_source, device=device, precision=precision, seed=seed, task_path=task_path, settings=s
+        )
+    meta = golden.meta
+    verdict.isolation = meta["isolation"]
+    verdict.golden_mode = meta["golden_mode"]
+    verdict.input_sets = meta["sets"]
+    verdict.flags.extend(_flags(meta, golden.notes))
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **build_env(candidate_source)}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    cand_dir = sandbox.make_workdir("kc-cand-")
+    try:
+        share_inputs(golden, cand_dir, s)
+        cand_payload = {
+            "device": device,
+            "seed": seed,
+            "precision": precision,
+            "task_source": task_source,
+            "task_path": task_path,
+            "candidate_source": candidate_source,
+            "candidate_path": candidate_path,
+            "sets": meta["sets"],
+            "reference_aliases": any(r["alias"] for r in meta["sets"]),
+        }
+        res = sandbox.run(
+            "kernelcrew.tools.harness:candidate_child",
+            cand_payload,
+            workdir=cand_dir,
+            env=env,
+            settings=s,
+            writable=(cache_dirs(candidate_source)["root"],),
+        )
+        if not res.ok:
+            failure = _sandbox_failure(res, "runtime")
+            verdict.stage, verdict.message = failure.stage, failure.message
+            verdict.failures.append(failure.to_dict())
+            verdict.checks.append({"name": failure.stage, "passed": False, "detail": failure.message})
+            return verdict
+        value = res.value or {}
+        verdict.checks.extend(value["checks"])
+        verdict.kind, verdict.kind_evidence = classify_kind(
+            value["candidate_ops"], meta["reference_ops"], value["build"].get("kind", {}), value["launches"]
+        )
+        _judge(verdict, meta, cand_dir / "child" / "outputs.pt", golden.path, value["nondeterministic"])
+        if verdict.passed and s.compute_sanitizer and device.startswith("cuda"):
+            _memcheck(verdict, cand_payload, cand_dir, env, s)
+    finally:
+        shutil.rmtree(cand_dir, ignore_errors=True)
+        if own_golden:
+            golden.cleanup()
+    return verdict
+
+
+def _memcheck(
+    verdict: Verdict, payload: dict[str, Any], cand_dir: Path, env: dict[str, str], s: Settings
+) -> None:
+    """compute-sanitizer memcheck of the candidate on the smallest input set (GPU, opt-in)."""
+    from kernelcrew.tools.build import cache_dirs
+
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        verdict.flags.append("memcheck skipped: compute-sanitizer not found")
+        return
+    res = sandbox.run(
+        "kernelcrew.tools.harness:memcheck_child",
+        payload,
+        workdir=cand_dir,
+        env=env,
+        settings=s,
+        wrapper=(tool, "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20"),
+        writable=(cache_dirs(payload["candidate_source"])["root"],),
+    )
+    summary = re.search(r"ERROR SUMMARY: (\d+) error", res.output_tail)
+    errors = int(summary.group(1)) if summary else None
+    if res.status == "timeout":
+        verdict.flags.append("memcheck timed out (not judged)")
+    elif errors or res.returncode == 86:
+        lines = [ln for ln in res.output_tail.splitlines() if ln.startswith("=========") and "Invalid" in ln]
+        failure = Failure(
+            "memcheck", f"compute-sanitizer found {errors} memory error(s): {lines[0] if lines else ''}"
+        )
+        verdict.verdict, verdict.stage, verdict.message = "fail", "memcheck", failure.message
+        verdict.failures.append(failure.to_dict())
+    elif not res.ok:
+        verdict.flags.append(f"memcheck did not complete: {res.message}")
+    completed = res.ok or errors is not None
+    verdict.checks.append(
+        {
+            "name": "memcheck",
+            "passed": (errors == 0 and res.ok) if completed else None,
+            "detail": f"compute-sanitizer: {errors} error(s)"
+            if completed
+            else f"not completed: {res.message}",
+        }
+    )
+
+
+def _flags(meta: dict[str, Any], notes: list[str]) -> list[str]:
+    flags = list(meta.get("notes", []))
+    sets = meta["sets"]
+    shapes = {tuple(r["shapes"]) for r in sets}
+    if len(shapes) == 1:
+        flags.append("verified at one shape")
+    if meta["golden_mode"] != "float64":
+        flags.append(f"golden computed in {meta['golden_mode']}")
+    if all(r["constant_output"] for r in sets):
+        flags.append("the reference output is constant on every input set: weak evidence")
+    zero = [r["index"] for r in sets if r["zero_inputs"]]
+    if zero:
+        flags.append(f"input sets {zero} contain all-zero tensors")
+    if any(r["origin"] == "signed" for r in sets):
+        flags.append("signed variants of non-negative inputs tested")
+    flags.extend(n for n in notes if "get_test_inputs" not in n or len(shapes) > 1)
+    return list(dict.fromkeys(flags))
+
+
+def _fingerprint(outs: list[Any]) -> tuple[str, ...]:
+    import hashlib
+
+    import torch
+
+    parts = []
+    for t in outs:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        parts.append(f"{tuple(t.shape)}:{t.dtype}:{hashlib.sha1(raw).hexdigest()}")
+    return tuple(parts)
+
+
+def _expected_set(key: str) -> int:
+    return int(key.rsplit(":", 1)[1])
+
+
+def _judge(
+    verdict: Verdict, meta: dict[str, Any], outputs_path: Path, golden_dir: Path, nondet: bool
+) -> None:
+    import torch
+
+    outputs = torch.load(outputs_path, weights_only=True)
+    golden = torch.load(golden_dir / "golden.pt", weights_only=True)
+    native = torch.load(golden_dir / "native.pt", weights_only=True)
+    cls = op_class(meta["reference_ops"])
+    sets = {r["index"]: r for r in meta["sets"]}
+    worst = 0.0
+    failures: list[Failure] = []
+    judged = 0
+    seen: dict[tuple[str, ...], int] = {}  # fingerprint of a call's outputs -> the input set it was for
+    for key, outs in outputs.items():
+        idx = _expected_set(key)
+        fingerprint = _fingerprint(outs)
+        stale_from = seen.get(fingerprint)
+        seen.setdefault(fingerprint, idx)
+        g_list, n_list = golden[idx], native[idx]
+        if len(outs) != len(g_list):
+            failures.append(
+                Failure(
+                    "shape",
+                    f"{key}: {len(outs)} outputs but the reference gives {len(g_list)}",
+                    input_set=sets[idx],
+                )
+            )
+            continue
+        for o, (c, g, n) in enumerate(zip(outs, g_list, n_list, strict=True)):
+            dtype = str(n.dtype).replace("torch.", "")
+            res = compare_output(c, g, n, tolerance_for(dtype, cls, verdict.precision))
+            judged += 1
+            if math.isfinite(res.get("rel_l2", 0.0)):
+                worst = max(worst, res.get("max_rel_error", 0.0))
+            if not res["ok"]:
+                stage = res["stage"]
+                message = f"{_label(key, sets[idx])}: {res['message']}" + _tf32_hint(
+                    res, dtype, verdict.precision
+                )
+                if stale_from is not None and stale_from != idx:
+                    stage = "cache"
+                    message = (
+                        f"{_label(key, sets[idx])}: returns the output it gave for input set {stale_from}"
+                    )
+                elif key.startswith("seq:") and stage == "correctness":
+                    stage = "cache"
+                failures.append(
+                    Failure(
+                        stage,
+                        message,
+                        input_set={k: sets[idx][k] for k in ("index", "origin", "seed", "shapes")},
+                        output_index=o,
+                        max_abs_error=res.get("max_abs_error"),
+                        max_rel_error=res.get("max_rel_error"),
+                        first_bad_index=res.get("first_bad_index"),
+                    )
+                )
+    verdict.max_rel_error = worst
+    for check in verdict.checks:
+        if check["passed"] is None:  # judged here: the cache sequence
+            check["passed"] = not any(f.stage == "cache" for f in failures)
+    verdict.checks.append(
+        {
+            "name": "outputs",
+            "passed": not failures,
+            "detail": f"{judged} outputs judged against the float64 golden ({cls} thresholds, {verdict.precision})",
+        }
+    )
+    if failures:  # in call order: the first wrong call explains the rest
+        verdict.failures = [f.to_dict() for f in failures]
+        verdict.stage, verdict.message = failures[0].stage, failures[0].message
+        return
+    verdict.verdict, verdict.stage = "pass", "done"
+    verdict.message = (
+        f"correct on {len(sets)} input sets ({len(outputs)} calls judged); worst relative error {worst:.3g}"
+    )
+    if nondet:
+        verdict.flags.append("declared nondeterministic: repeat checked within tolerance")
+
+
+def _label(key: str, rec: dict[str, Any]) -> str:
+    names = {
+        "set": "input set",
+        "repeat": "second call on input set",
+        "seq:A": "cache sequence A on set",
+        "seq:B": "cache sequence B on set",
+        "seq:A_new_address": "A's data at a new address, set",
+        "seq:B_at_A_address": "B's data written into A's tensors, set",
+    }
+    prefix = key.rsplit(":", 1)[0]
+    return f"{names.get(prefix, prefix)} {rec['index']} ({rec['origin']}, shapes {', '.join(rec['shapes'])})"
+
+
+__all__ = [
+    "Failure",
+    "Golden",
+    "Tolerance",
+    "Verdict",
+    "compare_output",
+    "make_golden",
+    "op_class",
+    "tolerance_for",
+    "verify",
+]

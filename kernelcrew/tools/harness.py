@@ -1,0 +1,706 @@
+"""Code that runs inside sandbox children: golden outputs, candidate runs, shared model/input helpers.
+
+Every function named ``*_child`` is a sandbox target (``sandbox.run("kernelcrew.tools.harness:NAME")``)
+called as ``fn(payload, workdir)``. Files travel through ``workdir``: the golden child writes
+``inputs.pt``, ``state_dict.pt``, ``golden.pt`` and ``native.pt``; the parent copies only
+``inputs.pt`` and ``state_dict.pt`` into a candidate child's own directory, so candidate code never
+sees the golden outputs; the candidate child writes its outputs to ``outputs.pt`` and the parent
+judges them (:mod:`kernelcrew.tools.correctness`).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kernelcrew.task import Task, TaskError, call_inputs, load_task, test_input_sets
+from kernelcrew.tools.sandbox import StageError
+
+TEST_SEED_OFFSET = 1000
+SIGN_SEED_OFFSET = 2000
+INIT_SEED_OFFSET = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def apply_precision(policy: str) -> None:
+    """Fix the precision flags of the policy: ``strict`` keeps fp32 in fp32 (TF32 off everywhere)."""
+    import torch
+
+    if policy not in ("strict", "relaxed"):
+        raise ValueError(f"unknown precision policy {policy!r} (strict or relaxed)")
+    relaxed = policy == "relaxed"
+    torch.backends.cuda.matmul.allow_tf32 = relaxed
+    torch.backends.cudnn.allow_tf32 = relaxed
+    torch.set_float32_matmul_precision("high" if relaxed else "highest")
+
+
+@contextmanager
+def poisoned_memory():
+    """Fill every new tensor with NaN (integers with their max), so unwritten outputs show."""
+    import torch
+
+    prev = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        torch.utils.deterministic.fill_uninitialized_memory = prev[2]
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list | tuple):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def to_device(obj: Any, device: str) -> Any:
+    return map_tensors(obj, lambda t: t.to(device))
+
+
+def to_float64(obj: Any) -> Any:
+    return map_tensors(obj, lambda t: t.to(__import__("torch").float64) if t.is_floating_point() else t)
+
+
+def clone_tensors(obj: Any) -> Any:
+    return map_tensors(obj, lambda t: t.detach().clone())
+
+
+def flatten_outputs(out: Any) -> list[Any]:
+    """A module's output as a flat list of tensors (tuples, lists and dicts flattened; scalars wrapped)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [t for o in out for t in flatten_outputs(o)]
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in flatten_outputs(out[k])]
+    if isinstance(out, bool | int | float):
+        return [torch.tensor(out)]
+    if out is None:
+        return []
+    raise TypeError(f"forward returned {type(out).__name__}; expected tensors")
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def describe_inputs(inputs: list[Any]) -> list[str]:
+    import torch
+
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            out.append(f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}")
+        else:
+            out.append(type(x).__name__)
+    return out
+
+
+def build_reference(task: Task, seed: int) -> tuple[Any, list[Any]]:
+    """Construct the task's Model under ``seed``, as every child does; returns it and its init args."""
+    import torch
+
+    torch.manual_seed(seed + INIT_SEED_OFFSET)
+    init = call_inputs(task.get_init_inputs, "get_init_inputs", task.name)
+    try:
+        model = task.model_cls(*init)
+    except Exception as exc:
+        raise TaskError(
+            f"Model(*get_init_inputs()) raised {type(exc).__name__}: {exc}", path=task.name
+        ) from exc
+    return model, init
+
+
+def randomize_constant_parameters(model: Any, seed: int) -> list[str]:
+    """Move constant parameters (norm weights of 1, biases of 0, ...) and norm running stats away
+    from their defaults, so a candidate that ignores them fails. Returns the names changed."""
+    import torch
+    from torch.nn.modules.batchnorm import _NormBase
+
+    gen = torch.Generator().manual_seed(seed)
+    changed = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.is_floating_point() or p.numel() == 0:
+                continue
+            flat = p.detach().reshape(-1)
+            if not bool((flat == flat[0]).all()):
+                continue
+            value = float(flat[0])
+            if value == 0.0:
+                new = 0.2 * torch.randn(p.shape, generator=gen)
+            else:
+                new = value * (0.5 + torch.rand(p.shape, generator=gen))
+            p.copy_(new.to(device=p.device, dtype=p.dtype))
+            changed.append(name)
+        for mod_name, module in model.named_modules():
+            if isinstance(module, _NormBase) and module.running_mean is not None:
+                module.running_mean.copy_(0.1 * torch.randn(module.running_mean.shape, generator=gen))
+                module.running_var.copy_(0.5 + torch.rand(module.running_var.shape, generator=gen))
+                changed.append(f"{mod_name}.running_mean/var")
+    return changed
+
+
+def shares_storage(out: Any, inputs: list[Any]) -> bool:
+    import torch
+
+    ptrs = {
+        x.untyped_storage().data_ptr()
+        for x in inputs
+        if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > 0
+    }
+    return any(
+        isinstance(t, torch.Tensor)
+        and t.untyped_storage().nbytes() > 0
+        and t.untyped_storage().data_ptr() in ptrs
+        for t in flatten_outputs(out)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Golden child: inputs and reference outputs, before any candidate code exists in any process
+# ----------------------------------------------------------------------------------------------
+
+
+def _input_sets(task: Task, seed: int, n_seeds: int) -> list[dict[str, Any]]:
+    import torch
+
+    sets = []
+    for i in range(n_seeds):
+        s = seed + 1 + i
+        torch.manual_seed(s)
+        sets.append(
+            {"origin": "seed", "seed": s, "inputs": call_inputs(task.get_inputs, "get_inputs", task.name)}
+        )
+    torch.manual_seed(seed + TEST_SEED_OFFSET)
+    for j, inputs in enumerate(test_input_sets(task)):
+        sets.append({"origin": "test", "seed": seed + TEST_SEED_OFFSET, "test_index": j, "inputs": inputs})
+    return sets
+
+
+def _signed_variant(inputs: list[Any], seed: int) -> list[Any] | None:
+    """Inputs with random signs on every non-negative floating tensor, or None if none is."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    changed = False
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1 and bool((x >= 0).all()):
+            signs = torch.randint(0, 2, x.shape, generator=gen).to(x.dtype) * 2 - 1
+            out.append(x * signs.to(x.device))
+            changed = True
+        else:
+            out.append(x)
+    return out if changed else None
+
+
+def _run_golden(model64: Any, model_fp32: Any, inputs: list[Any], device: str) -> tuple[list[Any], str]:
+    import torch
+
+    with torch.no_grad():
+        try:
+            out = model64(*to_float64(to_device(inputs, device)))
+            mode = "float64"
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            if "Double" not in str(exc) and "double" not in str(exc) and "float64" not in str(exc):
+                raise
+            out = model_fp32(*to_device(inputs, device))
+            mode = "float32 (an op has no float64 kernel)"
+    synchronize(device)
+    return [t.detach().to("cpu") for t in flatten_outputs(out)], mode
+
+
+def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Make the input sets, run the reference in float64 (golden) and in its own dtype (native)."""
+    import torch
+
+    from kernelcrew.tools.anticheat import record_ops
+
+    device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
+    apply_precision(policy)
+    try:
+        task = load_task(payload["task_source"], path=payload["task_path"])
+        model, _ = build_reference(task, seed)
+        sets = _input_sets(task, seed, int(payload["n_seeds"]))
+    except TaskError as exc:
+        raise StageError("task", str(exc)) from exc
+    randomized = randomize_constant_parameters(model, seed + 7)
+    model.eval()
+    state = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+
+    native_model = model.to(device).eval()
+    model64 = copy.deepcopy(native_model).to(torch.float64).eval()
+    notes: list[str] = []
+    shapes = {tuple(describe_inputs(s["inputs"])) for s in sets if s["origin"] == "seed"}
+    if len(shapes) != 1:
+        notes.append("get_inputs() returned different shapes under different seeds")
+
+    records, golden, native, input_lists = [], [], [], []
+    reference_ops: dict[str, int] = {}
+    golden_mode = "float64"
+
+    def add(entry: dict[str, Any], inputs: list[Any]) -> bool:
+        nonlocal reference_ops, golden_mode
+        try:
+            with torch.no_grad():
+                dev_inputs = to_device(inputs, device)
+                if not reference_ops:
+                    out, reference_ops = record_ops(native_model, *dev_inputs)
+                else:
+                    out = native_model(*dev_inputs)
+                synchronize(device)
+                alias = shares_storage(out, dev_inputs)
+                nat = [t.detach().to("cpu").clone() for t in flatten_outputs(out)]
+            gold, mode = _run_golden(model64, native_model, inputs, device)
+        except Exception as exc:
+            raise StageError(
+                "task", f"the reference Model failed on input set {entry}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if mode != "float64":
+            golden_mode = mode
+        if entry["origin"] == "signed":
+            base_nonfinite = sum(
+                int((~torch.isfinite(g)).sum()) for g in golden[entry["of"]] if g.is_floating_point()
+            )
+            nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in gold if g.is_floating_point())
+            if nonfinite > base_nonfinite:
+                return False
+        entry.update(
+            index=len(records),
+            shapes=describe_inputs(inputs),
+            alias=alias,
+            constant_output=all(g.numel() <= 1 or bool((g == g.reshape(-1)[0]).all()) for g in gold),
+            zero_inputs=[
+                i
+                for i, x in enumerate(inputs)
+                if isinstance(x, torch.Tensor) and x.numel() > 0 and not bool(x.any())
+            ],
+        )
+        records.append(entry)
+        golden.append(gold)
+        native.append(nat)
+        input_lists.append([x.detach().to("cpu") if isinstance(x, torch.Tensor) else x for x in inputs])
+        return True
+
+    for s in sets:
+        inputs = s.pop("inputs")
+        add(dict(s), inputs)
+    for rec in [r for r in records if r["origin"] == "seed"]:
+        variant = _signed_variant(input_lists[rec["index"]], seed + SIGN_SEED_OFFSET + rec["index"])
+        if variant is not None:
+            add({"origin": "signed", "seed": rec["seed"], "of": rec["index"]}, variant)
+
+    out = workdir / "child"  # the only directory a child may write; the parent moves these out
+    torch.save(input_lists, out / "inputs.pt")
+    torch.save(state, out / "state_dict.pt")
+    torch.save(golden, out / "golden.pt")
+    torch.save(native, out / "native.pt")
+    first = native[0]
+    return {
+        "sets": records,
+        "reference_ops": reference_ops,
+        "golden_mode": golden_mode,
+        "randomized_parameters": randomized,
+        "outputs": [{"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)} for t in first],
+        "notes": notes,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Candidate child: build, load weights, run every check that needs the candidate's process
+# ----------------------------------------------------------------------------------------------
+
+
+class _LaunchCounter:
+    """Counts Triton kernel launches (compiled or interpreted) while installed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def install(self) -> None:
+        try:
+            from triton.runtime import jit
+        except ImportError:
+            return
+        classes = [jit.JITFunction]
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            classes.append(InterpretedFunction)
+        except ImportError:
+            pass
+        for cls in classes:
+            cls.run = self._counting(cls.run)
+
+    def _counting(self, original: Any) -> Any:
+        counter = self
+
+        def run(fn_self, *args, **kwargs):
+            counter.count += 1
+            return original(fn_self, *args, **kwargs)
+
+        return run
+
+
+def _stage_error_from(exc: BaseException, stage: str, where: str, source: str, path: str) -> StageError:
+    from kernelcrew.tools.build import describe_exception
+
+    build_error = describe_exception(exc, path, source)
+    if build_error is not None:
+        return build_error
+    line = None
+    import traceback as tb
+
+    for frame in tb.extract_tb(exc.__traceback__):
+        if frame.filename == path:
+            line = frame.lineno
+    message = f"{type(exc).__name__}: {exc}"[:2000]
+    return StageError(stage, f"{where}: {message}", line=line, error_type=type(exc).__name__)
+
+
+def load_candidate_model(
+    task: Task, source: str, path: str, seed: int, state: dict[str, Any], device: str
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Build ``ModelNew`` and give it the reference's weights; returns (model, reference or None, build)."""
+    import torch
+
+    from kernelcrew.tools.anticheat import snapshot_state, state_changes
+    from kernelcrew.tools.build import BuildError, instrument_builds, load_candidate_module
+
+    before = snapshot_state((path,))
+    try:
+        cls, report = load_candidate_module(source, path)
+    except BuildError:
+        raise
+    except TaskError as exc:
+        raise StageError("build", str(exc), line=exc.line) from exc
+    changes = state_changes(before, snapshot_state((path,)))
+    if changes:
+        raise StageError("state", "importing the candidate changed global state: " + "; ".join(changes))
+
+    torch.manual_seed(seed + INIT_SEED_OFFSET)
+    init = call_inputs(task.get_init_inputs, "get_init_inputs", task.name)
+    try:
+        with instrument_builds(source, report, path):  # extensions built in __init__ are recorded too
+            model = cls(*init)
+    except BaseException as exc:
+        raise _stage_error_from(exc, "init", "ModelNew(*get_init_inputs()) raised", source, path) from exc
+
+    reference = None
+    if callable(getattr(model, "load_reference", None)):
+        reference, _ = build_reference(task, seed)
+        reference.load_state_dict(state)
+        try:
+            model.load_reference(reference)
+        except BaseException as exc:
+            raise _stage_error_from(exc, "weights", "ModelNew.load_reference raised", source, path) from exc
+        if _holds_reference(model, reference):
+            raise StageError(
+                "static", "ModelNew keeps a reference to the reference Model after load_reference"
+            )
+    else:
+        try:
+            result = model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise StageError(
+                "weights",
+                "the reference's weights do not load into ModelNew by state dict "
+                f"({str(exc).splitlines()[0]} ...); keep the same parameter names and shapes, "
+                "or define ModelNew.load_reference(model)",
+                detail=str(exc)[:2000],
+            ) from exc
+        del result
+    model = model.to(device).eval()
+    return model, reference, report.to_dict()
+
+
+def _holds_reference(model: Any, reference: Any) -> bool:
+    import torch
+
+    targets = {id(m) for m in reference.modules()}
+    seen: set[int] = set()
+    stack: list[Any] = [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if id(obj) in targets:
+            return True
+        if isinstance(obj, torch.Tensor):
+            continue
+        if isinstance(obj, torch.nn.Module):
+            stack.extend(obj.__dict__.values())
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set):
+            stack.extend(obj)
+    return False
+
+
+def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Build the candidate and run it on every input set, plus the repeat and caching sequences."""
+    import torch
+
+    from kernelcrew.tools.anticheat import record_ops, snapshot_state, state_changes
+
+    device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
+    source, path = payload["candidate_source"], payload["candidate_path"]
+    apply_precision(policy)
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    state = torch.load(workdir / "state_dict.pt", weights_only=True)
+    input_lists = torch.load(workdir / "inputs.pt", weights_only=True)
+    sets = payload["sets"]
+
+    launches = _LaunchCounter()
+    launches.install()
+    model, _reference, build = load_candidate_model(task, source, path, seed, state, device)
+    checks: list[dict[str, Any]] = [{"name": "build", "passed": True, "detail": build}]
+    outputs: dict[str, list[Any]] = {}
+    candidate_ops: dict[str, int] = {}
+
+    def call(inputs: list[Any], label: str) -> Any:
+        nonlocal candidate_ops
+        before = snapshot_state((path,))
+        snapshot = clone_tensors(inputs)
+        try:
+            with torch.no_grad():
+                if not candidate_ops:
+                    out, candidate_ops = record_ops(model, *inputs)
+                    candidate_ops = candidate_ops or {"<none>": 0}
+                else:
+                    out = model(*inputs)
+            synchronize(device)
+        except BaseException as exc:
+            raise _stage_error_from(exc, "runtime", f"forward on {label} raised", source, path) from exc
+        changes = state_changes(before, snapshot_state((path,)))
+        if changes:
+            raise StageError(
+                "state", f"calling the candidate on {label} changed global state: " + "; ".join(changes)
+            )
+        for i, (old, new) in enumerate(zip(snapshot, inputs, strict=True)):
+            if isinstance(old, torch.Tensor) and not _bitwise_equal(old, new):
+                raise StageError("inputs_mutated", f"the candidate modified input {i} in place on {label}")
+        if shares_storage(out, inputs) and not payload["reference_aliases"]:
+            raise StageError("aliasing", f"an output of the candidate aliases an input on {label}")
+        return out
+
+    def keep(key: str, out: Any) -> None:
+        outputs[key] = [t.detach().to("cpu").clone() for t in flatten_outputs(out)]
+
+    with poisoned_memory():
+        dev_sets = [to_device(s, device) for s in input_lists]
+        for rec, inputs in zip(sets, dev_sets, strict=True):
+            keep(f"set:{rec['index']}", call(inputs, f"input set {rec['index']} ({rec['origin']})"))
+        checks.append({"name": "all input sets", "passed": True, "detail": f"{len(sets)} sets ran"})
+
+        # The same inputs twice: same output, and the first output must survive the second call.
+        first = call(dev_sets[0], "input set 0 (repeat 1)")
+        first_copy = clone_tensors(flatten_outputs(first))
+        second = call(dev_sets[0], "input set 0 (repeat 2)")
+        keep("repeat:0", second)
+        declared = bool(getattr(type(model), "NONDETERMINISTIC", False))
+        held = all(_bitwise_equal(a, b) for a, b in zip(first_copy, flatten_outputs(first), strict=True))
+        if not held:
+            raise StageError(
+                "cache", "the first call's output changed during the second call (a reused output buffer)"
+            )
+        same = all(_bitwise_equal(a, b) for a, b in zip(first_copy, flatten_outputs(second), strict=True))
+        if not same and not declared:
+            raise StageError(
+                "determinism",
+                "two calls on the same inputs gave different outputs; declare NONDETERMINISTIC = True on "
+                "ModelNew if a reduction order varies, and it is then checked within tolerance",
+            )
+        checks.append(
+            {
+                "name": "repeat",
+                "passed": True,
+                "detail": "bitwise equal" if same else "declared nondeterministic",
+            }
+        )
+
+        # Caching by address or call count: A, B, A's data at a new address, B's data at A's address.
+        seeds = [r["index"] for r in sets if r["origin"] == "seed"]
+        a, b = seeds[0], seeds[1] if len(seeds) > 1 else None
+        if b is not None and describe_inputs(dev_sets[a]) == describe_inputs(dev_sets[b]):
+            keep(f"seq:A:{a}", call(dev_sets[a], "cache sequence A"))
+            keep(f"seq:B:{b}", call(dev_sets[b], "cache sequence B"))
+            keep(
+                f"seq:A_new_address:{a}",
+                call(clone_tensors(dev_sets[a]), "cache sequence A at a new address"),
+            )
+            at_a = dev_sets[a]
+            for dst, src in zip(at_a, dev_sets[b], strict=True):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+            keep(f"seq:B_at_A_address:{b}", call(at_a, "cache sequence B's data at A's address"))
+            checks.append(
+                {
+                    "name": "cache sequence",
+                    "passed": None,
+                    "detail": "A, B, A at new address, B at A's address",
+                }
+            )
+
+    torch.save(outputs, workdir / "child" / "outputs.pt")
+    return {
+        "checks": checks,
+        "build": build,
+        "candidate_ops": candidate_ops,
+        "launches": launches.count,
+        "nondeterministic": declared,
+    }
+
+
+def memcheck_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Run the candidate once on the smallest input set (under compute-sanitizer, by the parent)."""
+    import torch
+
+    device, seed = payload["device"], int(payload["seed"])
+    apply_precision(payload["precision"])
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    state = torch.load(workdir / "state_dict.pt", weights_only=True)
+    input_lists = torch.load(workdir / "inputs.pt", weights_only=True)
+    sizes = [sum(x.numel() for x in s if isinstance(x, torch.Tensor)) for s in input_lists]
+    index = sizes.index(min(sizes))
+    model, _ref, _build = load_candidate_model(
+        task, payload["candidate_source"], payload["candidate_path"], seed, state, device
+    )
+    with torch.no_grad():
+        model(*to_device(input_lists[index], device))
+    synchronize(device)
+    return {"set": index}
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a == b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        both_nan = torch.isnan(a) & torch.isnan(b)
+        return bool(((a == b) | both_nan).all())
+    return bool(torch.equal(a, b))
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark child: baseline(s) and candidates timed in one process, interleaved
+# ----------------------------------------------------------------------------------------------
+
+
+def make_input_sets(task: Task, seed: int, count: int) -> list[list[Any]]:
+    """``count`` input sets from ``get_inputs()`` under seeds derived from ``seed`` (for timing only)."""
+    import torch
+
+    sets = []
+    for i in range(count):
+        torch.manual_seed(seed + 1 + i)
+        sets.append(call_inputs(task.get_inputs, "get_inputs", task.name))
+    return sets
+
+
+def benchmark_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Time the reference (eager, optionally ``torch.compile``) and each candidate, interleaved."""
+    import torch
+
+    from kernelcrew.tools import timing
+    from kernelcrew.tools.anticheat import snapshot_state, state_changes
+
+    device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
+    apply_precision(policy)
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    if (workdir / "inputs.pt").exists():
+        input_lists = torch.load(workdir / "inputs.pt", weights_only=True)
+        input_lists = [input_lists[i] for i in payload.get("set_indices", range(len(input_lists)))]
+        state = torch.load(workdir / "state_dict.pt", weights_only=True)
+        reference, _ = build_reference(task, seed)
+        reference.load_state_dict(state)
+    else:
+        reference, _ = build_reference(task, seed)
+        randomize_constant_parameters(reference, seed + 7)
+        state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        input_lists = make_input_sets(task, seed, int(payload.get("n_sets", 3)))
+    reference = reference.to(device).eval()
+    dev_sets = [to_device(s, device) for s in input_lists]
+
+    callables: dict[str, Any] = {"eager": lambda inputs: reference(*inputs)}
+    compile_s: dict[str, float] = {}
+    compile_errors: dict[str, str] = {}
+    for mode in payload.get("compile_modes", []):
+        try:
+            with torch.no_grad():
+                fn, seconds = timing.compile_baseline(reference, mode, dev_sets[0])
+        except Exception as exc:  # a compiler failure is reported, the other baselines still run
+            compile_errors[mode] = f"{type(exc).__name__}: {exc}"[:500]
+            continue
+        callables[f"compile:{mode}"] = fn
+        compile_s[mode] = round(seconds, 3)
+
+    builds = {}
+    for name, cand in payload.get("candidates", {}).items():
+        model, _ref, build = load_candidate_model(task, cand["source"], cand["path"], seed, state, device)
+        builds[name] = build
+        callables[name] = lambda inputs, m=model: m(*inputs)
+
+    samples: dict[str, list[Any]] = {}
+    baseline_state: dict[str, Any] = {}
+
+    candidate_files = tuple(c["path"] for c in payload.get("candidates", {}).values())
+
+    def check_call(name: str) -> None:
+        changes = state_changes(baseline_state, snapshot_state(candidate_files))
+        if changes:
+            raise StageError("state", f"timing {name} changed global state: " + "; ".join(changes))
+
+    def on_sample(name: str, set_index: int, out: Any) -> None:
+        samples[f"{name}:{len(samples)}:{set_index}"] = [
+            t.detach().to("cpu").clone() for t in flatten_outputs(out)
+        ]
+
+    config = timing.TimingConfig.quick() if payload.get("quick") else timing.TimingConfig()
+    if payload.get("max_time_s"):
+        config.max_time_s = float(payload["max_time_s"])
+    candidate_names = [n for n in callables if n != "eager" and not n.startswith("compile:")]
+    with torch.no_grad():
+        baseline_state.update(snapshot_state(candidate_files))  # as the timer runs every call: grad off
+        result = timing.measure(
+            callables,
+            dev_sets,
+            device=device,
+            config=config,
+            baseline="eager",
+            sample_outputs=int(payload.get("sample_outputs", 0)),
+            on_sample=lambda name, i, out: on_sample(name, i, out) if name in candidate_names else None,
+            check_call=check_call,
+        )
+    if samples:
+        torch.save(samples, workdir / "child" / "samples.pt")
+    result.update(compile_s=compile_s, compile_errors=compile_errors, builds=builds)
+    return result
