@@ -1,0 +1,240 @@
+"""The ``kernelcrew`` command line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kernelcrew.task import TaskError, read_source
+
+app = typer.Typer(
+    help="kernelcrew: verified, faster GPU kernels for PyTorch modules.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """kernelcrew: verified, faster GPU kernels for PyTorch modules."""
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(StrEnum):
+    strict = "strict"
+    relaxed = "relaxed"
+
+
+def resolve_device(device: Device) -> str:
+    """``auto`` is cuda when a GPU is visible, else cpu; asking for cuda without one is an error."""
+    import torch
+
+    if device == Device.auto:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == Device.cuda and not torch.cuda.is_available():
+        raise TaskError("--device cuda was asked for, but no CUDA GPU is visible here")
+    return device.value
+
+
+def _compile_modes(spec: str, device: str) -> list[str]:
+    if spec == "auto":
+        return ["default", "max-autotune-no-cudagraphs"] if device == "cuda" else ["default"]
+    if spec == "none":
+        return []
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    allowed = {"default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"}
+    bad = [m for m in modes if m not in allowed]
+    if bad:
+        raise TaskError(f"unknown torch.compile mode(s) {bad}; use {sorted(allowed)}, auto or none")
+    return modes
+
+
+@app.command()
+def verify(
+    task: Annotated[
+        Path, typer.Argument(help="Task file (KernelBench format: Model, get_inputs, get_init_inputs).")
+    ],
+    candidate: Annotated[Path, typer.Argument(help="Candidate file defining ModelNew.")],
+    device: Annotated[Device, typer.Option(help="Where to run: cuda, cpu, or auto.")] = Device.auto,
+    precision: Annotated[
+        Precision, typer.Option(help="strict: fp32 stays fp32, TF32 off; relaxed: TF32 allowed.")
+    ] = Precision.strict,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    seed: Annotated[int | None, typer.Option(help="Replay a run with its logged seed.")] = None,
+    compile_modes: Annotated[
+        str, typer.Option(help="torch.compile baselines: auto, none, or a comma list of modes.")
+    ] = "auto",
+    quick: Annotated[bool, typer.Option(help="Few timing repetitions (fast, noisy).")] = False,
+    no_timing: Annotated[bool, typer.Option("--no-timing", help="Verify only; skip the timing.")] = False,
+    memcheck: Annotated[bool, typer.Option(help="Also run compute-sanitizer memcheck (GPU).")] = False,
+) -> None:
+    """Verify a candidate against its task and time it. Exit code 0 pass, 1 fail, 2 bad input."""
+    try:
+        report = run_verify(
+            task,
+            candidate,
+            device=device,
+            precision=precision.value,
+            seed=seed,
+            compile_modes=compile_modes,
+            quick=quick,
+            timing=not no_timing,
+            memcheck=memcheck,
+        )
+    except TaskError as exc:
+        if as_json:
+            print(json.dumps({"verdict": "error", "stage": "input", "message": str(exc)}))
+        else:
+            console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_report(report)
+    raise typer.Exit(0 if report["verdict"] == "pass" else 1)
+
+
+def run_verify(
+    task: Path,
+    candidate: Path,
+    *,
+    device: Device,
+    precision: str,
+    seed: int | None,
+    compile_modes: str,
+    quick: bool,
+    timing: bool,
+    memcheck: bool = False,
+) -> dict[str, Any]:
+    """The whole protocol and timing for one candidate, as the JSON report of ``verify --json``."""
+    from kernelcrew.config import get_settings
+    from kernelcrew.tools import hardware
+    from kernelcrew.tools import timing as timing_mod
+    from kernelcrew.tools.correctness import make_golden
+    from kernelcrew.tools.correctness import verify as verify_candidate
+
+    task_source = read_source(task)
+    candidate_source = read_source(candidate)
+    dev = resolve_device(device)
+    modes = _compile_modes(compile_modes, dev)
+    settings = get_settings().model_copy(
+        update={"compute_sanitizer": memcheck or get_settings().compute_sanitizer}
+    )
+    with make_golden(
+        task_source, device=dev, precision=precision, seed=seed, task_path=str(task), settings=settings
+    ) as golden:
+        verdict = verify_candidate(
+            task_source,
+            candidate_source,
+            candidate_path=str(candidate),
+            task_path=str(task),
+            golden=golden,
+            settings=settings,
+        )
+        report: dict[str, Any] = verdict.to_dict()
+        report.update(baseline_ms=None, compile_ms=None, candidate_ms=None, speedup=None, timing=None)
+        if verdict.passed and timing:
+            bench = timing_mod.benchmark(
+                task_source,
+                {"candidate": (candidate_source, str(candidate))},
+                device=dev,
+                precision=precision,
+                compile_modes=modes,
+                quick=quick,
+                golden=golden,
+                task_path=str(task),
+                settings=settings,
+            )
+            report["timing"] = bench
+            _merge_timing(report, bench)
+    info = hardware.detect(dev)
+    report["gpu"] = info.to_dict() if info.device == "cuda" else None
+    report["hardware"] = info.to_dict()
+    report["versions"] = hardware.versions()
+    cmd = [
+        "kernelcrew",
+        "verify",
+        str(task),
+        str(candidate),
+        "--device",
+        dev,
+        "--precision",
+        precision,
+        "--seed",
+        str(report["seed"]),
+    ]
+    report["reproduce"] = shlex.join(cmd)
+    return report
+
+
+def _merge_timing(report: dict[str, Any], bench: dict[str, Any]) -> None:
+    """Fold the benchmark into the top-level fields and fail the verdict on a bad timed output."""
+    results = bench.get("results", {})
+    report["baseline_ms"] = results.get("eager", {}).get("median_ms")
+    compiled = {k: v["median_ms"] for k, v in results.items() if k.startswith("compile:")}
+    report["compile_ms"] = min(compiled.values()) if compiled else None
+    report["compile_s"] = bench.get("compile_s")
+    report["candidate_ms"] = results.get("candidate", {}).get("median_ms")
+    ratio = bench.get("ratios", {}).get("candidate")
+    if ratio:
+        report["speedup"] = ratio["median"]
+        report["speedup_ci"] = [ratio["ci_low"], ratio["ci_high"]]
+        report["speedup_significant"] = ratio["significant"]
+    if compiled and report["candidate_ms"]:
+        report["speedup_vs_compile"] = min(compiled.values()) / report["candidate_ms"]
+    if bench.get("clock") == "cpu-wall":
+        report["flags"].append("CPU timings (wall clock): not GPU speedups")
+    for flag in bench.get("flags", []):
+        report["flags"].append(flag)
+    failure = bench.get("failure")
+    if failure:
+        report["verdict"], report["stage"], report["message"] = "fail", failure["stage"], failure["message"]
+        report["failures"].append(failure)
+    report["checks"].append(
+        {"name": "timed outputs", "passed": failure is None, "detail": bench.get("samples_checked", 0)}
+    )
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f} ms"
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    out = Console()
+    color = "green" if report["verdict"] == "pass" else "red"
+    out.print(f"[bold {color}]{report['verdict'].upper()}[/] ({report['stage']}): {report['message']}")
+    table = Table(show_header=False, box=None)
+    table.add_row("device", f"{report['device']} ({report['hardware']['name']})")
+    table.add_row("kind", str(report.get("kind")))
+    table.add_row(
+        "max rel error", f"{report['max_rel_error']:.3g}" if report.get("max_rel_error") is not None else "-"
+    )
+    table.add_row("eager", _fmt_ms(report["baseline_ms"]))
+    table.add_row("torch.compile", _fmt_ms(report["compile_ms"]))
+    table.add_row("candidate", _fmt_ms(report["candidate_ms"]))
+    if report.get("speedup") is not None:
+        lo, hi = report["speedup_ci"]
+        table.add_row("speedup vs eager", f"{report['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f})")
+    if report.get("speedup_vs_compile") is not None:
+        table.add_row("speedup vs compile", f"{report['speedup_vs_compile']:.3f}x")
+    table.add_row("seed", str(report["seed"]))
+    out.print(table)
+    for flag in report["flags"]:
+        out.print(f"  [yellow]![/] {flag}")
+    for failure in report["failures"][:5]:
+        out.print(f"  [red]x[/] [{failure['stage']}] {failure['message']}")
+    out.print(f"reproduce: {report['reproduce']}")
