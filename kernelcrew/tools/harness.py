@@ -228,7 +228,12 @@ def _run_golden(model64: Any, model_fp32: Any, inputs: list[Any], device: str) -
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             if "Double" not in str(exc) and "double" not in str(exc) and "float64" not in str(exc):
                 raise
-            out = model_fp32(*to_device(inputs, device))
+            policy = "relaxed" if torch.backends.cuda.matmul.allow_tf32 else "strict"
+            apply_precision("strict")  # the golden never uses TF32, whatever the job's policy
+            try:
+                out = model_fp32(*to_device(inputs, device))
+            finally:
+                apply_precision(policy)
             mode = "float32 (an op has no float64 kernel)"
     synchronize(device)
     return [t.detach().to("cpu") for t in flatten_outputs(out)], mode
