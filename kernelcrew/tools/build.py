@@ -849,6 +849,22 @@ def _user_frame(chain: list[BaseException], path: str) -> traceback.FrameSummary
     return None
 
 
+def _frame_diagnostic(
+    frame: traceback.FrameSummary, path: str, message: str, *, origin: str = "", text: str | None = None
+) -> Diagnostic:
+    """An error pointing at a line of the candidate where a traceback passed (a call or a launch)."""
+    return Diagnostic(
+        file=path,
+        line=frame.lineno,
+        column=None,
+        severity="error",
+        message=message,
+        source_line=(frame.line or "").strip() or None,
+        origin=origin,
+        text=message if text is None else text,
+    )
+
+
 def _first_line(text: str, limit: int = 300) -> str:
     for line in text.strip().splitlines():
         if line.strip():
@@ -940,17 +956,7 @@ def _describe_cpp_extension(chain: list[BaseException], path: str, source: str) 
         message = f"{what} failed to build: {hint[:300]}"
         user = _user_frame(chain, path)
         if user is not None:
-            diags.append(
-                Diagnostic(
-                    file=path,
-                    line=user.lineno,
-                    column=None,
-                    severity="error",
-                    message=hint[:300],
-                    source_line=(user.line or "").strip() or None,
-                    text=hint[:300],
-                )
-            )
+            diags.append(_frame_diagnostic(user, path, hint[:300]))
     return BuildError(message, diags, output[-LOG_TAIL_CHARS:], tool="cpp_extension", path=path)
 
 
@@ -1067,18 +1073,7 @@ def _describe_triton_compilation(chain: list[BaseException], path: str, source: 
         inner_name = name or inner_name
     launch = _user_frame(chain, path)
     if launch is not None and not any(d.file == path for d in diags):
-        diags.append(
-            Diagnostic(
-                file=path,
-                line=launch.lineno,
-                column=None,
-                severity="error",
-                message="kernel launched here",
-                source_line=(launch.line or "").strip() or None,
-                origin="triton",
-                text="kernel launched here",
-            )
-        )
+        diags.append(_frame_diagnostic(launch, path, "kernel launched here", origin="triton"))
     head = diags[0]
     return BuildError(
         f"Triton compilation failed: {head}",
@@ -1155,15 +1150,8 @@ def _describe_other_compilers(chain: list[BaseException], path: str, source: str
     launch = _user_frame(chain, path)
     if launch is not None:
         diags.append(
-            Diagnostic(
-                file=path,
-                line=launch.lineno,
-                column=None,
-                severity="error",
-                message=f"{type(culprit).__name__}: {headline}",
-                source_line=(launch.line or "").strip() or None,
-                origin=tool,
-                text=headline,
+            _frame_diagnostic(
+                launch, path, f"{type(culprit).__name__}: {headline}", origin=tool, text=headline
             )
         )
     head = _headline(diags)

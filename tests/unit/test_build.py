@@ -158,16 +158,43 @@ def test_cache_dirs_per_source(tmp_path):
     assert env["TORCH_EXTENSIONS_DIR"] == str(a["torch_extensions"])
 
 
-def test_cache_dirs_default_root_from_settings(tmp_path, monkeypatch):
+def test_cache_dirs_default_root_from_settings(monkeypatch):
+    import shutil
+    import tempfile
+
     from kernelcrew.config import get_settings
 
-    monkeypatch.setenv("KERNELCREW_CACHE_DIR", str(tmp_path / "cache"))
+    base = Path(tempfile.mkdtemp(prefix="kc-cache-test-", dir="/tmp"))
+    base.chmod(0o755)
+    monkeypatch.setenv("KERNELCREW_CACHE_DIR", str(base / "cache"))
     get_settings.cache_clear()
     try:
         dirs = cache_dirs("x")
     finally:
         get_settings.cache_clear()
-    assert dirs["root"].parent == tmp_path / "cache" / "build"
+        shutil.rmtree(base, ignore_errors=True)
+    assert dirs["root"].parent == base / "cache" / "build"
+
+
+def test_cache_root_private_to_root_falls_back_to_a_reachable_one(tmp_path, monkeypatch):
+    """As root, a cache the sandbox user cannot traverse to would break every build in the child."""
+    import os
+    import tempfile
+
+    from kernelcrew.config import get_settings
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("KERNELCREW_CACHE_DIR", str(private / "cache"))
+    get_settings.cache_clear()
+    try:
+        dirs = cache_dirs("x")
+    finally:
+        get_settings.cache_clear()
+    if os.geteuid() == 0:
+        assert dirs["root"].parent == Path(tempfile.gettempdir()) / "kernelcrew-build-cache"
+    else:
+        assert dirs["root"].parent == private / "cache" / "build"
 
 
 # ----------------------------------------------------------------------------------------------
