@@ -707,5 +707,72 @@ def benchmark_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         )
     if samples:
         torch.save(samples, workdir / "child" / "samples.pt")
-    result.update(compile_s=compile_s, compile_errors=compile_errors, builds=builds)
+    from kernelcrew.tools import hardware
+
+    result.update(
+        compile_s=compile_s,
+        compile_errors=compile_errors,
+        builds=builds,
+        hardware=hardware.detect(device).to_dict(),
+        versions=hardware.versions(),
+    )
     return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile child: the reference's kernels ranked by time (Amdahl's view of a multi-op module)
+# ----------------------------------------------------------------------------------------------
+
+
+def profile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Run the reference a few times under torch.profiler and rank what it spends its time on.
+
+    On a GPU the ranking is by device kernels (self device time); on a CPU by aten ops (self CPU
+    time), and it says so. ``share`` is each entry's fraction of the total: the most a kernel
+    replacing that entry alone can save.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    device, seed = payload["device"], int(payload["seed"])
+    apply_precision(payload["precision"])
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    state = torch.load(workdir / "state_dict.pt", weights_only=True)
+    inputs = to_device(torch.load(workdir / "inputs.pt", weights_only=True)[0], device)
+    model, _ = build_reference(task, seed)
+    model.load_state_dict(state)
+    model = model.to(device).eval()
+    on_gpu = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: cuBLAS handles, autotuning
+            model(*inputs)
+        synchronize(device)
+        reps = 5
+        with profile(activities=activities) as prof:
+            for _ in range(reps):
+                model(*inputs)
+            synchronize(device)
+    rows = []
+    for evt in prof.key_averages():
+        if on_gpu:
+            total = float(
+                getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0)
+            )
+            if total <= 0 or evt.key.startswith("aten::"):
+                continue
+        else:
+            total = float(evt.self_cpu_time_total)
+            if total <= 0 or not evt.key.startswith("aten::"):
+                continue
+        rows.append({"name": evt.key, "calls": int(evt.count) // reps, "time_us": total / reps})
+    rows.sort(key=lambda r: r["time_us"], reverse=True)
+    whole = sum(r["time_us"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["time_us"] / whole
+    return {
+        "device": device,
+        "clock": "cuda kernels (self device time)" if on_gpu else "cpu aten ops (self CPU time)",
+        "total_us": whole,
+        "hotspots": rows[:15],
+    }

@@ -70,6 +70,25 @@ CI_LEVEL = 0.95
 CI_METHOD = "order-statistic (sign-test) 95% interval of the median per-round ratio baseline/candidate"
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
+
+def parse_compile_modes(spec: str, device: str) -> list[str]:
+    """The ``torch.compile`` baselines a ``--compile-modes`` value names.
+
+    ``auto`` is ``default`` and ``max-autotune-no-cudagraphs`` on a GPU and none on a CPU (where
+    timings are labelled and never drive a decision, and compiling costs minutes); ``none`` is none;
+    otherwise a comma list of modes. Raises ``ValueError`` for an unknown mode.
+    """
+    if spec == "auto":
+        return ["default", "max-autotune-no-cudagraphs"] if device.startswith("cuda") else []
+    if spec == "none":
+        return []
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in modes if m not in COMPILE_MODES]
+    if bad:
+        raise ValueError(f"unknown torch.compile mode(s) {bad}: use auto, none or {', '.join(COMPILE_MODES)}")
+    return modes
+
+
 _MIN_ROUNDS = 6  # fewest rounds for which a 95 % order-statistic interval of the median exists
 _STABLE_EVERY = 10  # rounds between checks of the medians
 _STABLE_REL = 0.005  # a median that moves less than this over _STABLE_EVERY rounds is stable

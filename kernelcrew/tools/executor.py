@@ -1,0 +1,125 @@
+"""Where GPU work runs: the Executor interface the crew calls, and LocalExecutor (this machine).
+
+The graph never touches a GPU itself; it calls ``verify``, ``benchmark`` and ``profile`` with
+JSON-serializable requests and gets JSON-serializable results back, so the same graph runs
+against this machine (:class:`LocalExecutor`, each call in sandboxed children) or against remote
+GPU workers (a Celery executor, in ``kernelcrew.worker``).
+
+Requests carry the task source and the job's device, precision and secret seed; the executor
+keeps one golden per (task, device, precision, seed), so every candidate of a job is judged
+against the same inputs and reference outputs without recomputing them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Protocol
+
+from kernelcrew.config import Settings, get_settings
+from kernelcrew.task import TaskError
+from kernelcrew.tools import sandbox
+
+
+class Executor(Protocol):
+    """The three GPU operations of the crew; requests and results are plain JSON."""
+
+    def verify(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``{task_source, task_path, candidate_source, candidate_path, device, precision, seed}``
+        -> the verdict (:class:`kernelcrew.tools.correctness.Verdict` as a dict)."""
+        ...
+
+    def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``{task_source, task_path, candidates: {name: source}, device, precision, seed,
+        compile_modes, quick}`` -> the timing result of :func:`kernelcrew.tools.timing.benchmark`."""
+        ...
+
+    def profile(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``{task_source, task_path, device, precision, seed}`` -> the reference's kernels ranked by
+        time (``hotspots``) and the device it ran on."""
+        ...
+
+    def close(self) -> None:
+        """Release what the executor holds (goldens, connections)."""
+        ...
+
+
+def _key(request: dict[str, Any]) -> tuple[str, str, str, int]:
+    digest = hashlib.sha256(request["task_source"].encode()).hexdigest()
+    return digest, request["device"], request["precision"], int(request["seed"])
+
+
+class LocalExecutor:
+    """Runs every operation on this machine, each in sandboxed child processes."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or get_settings()
+        self._goldens: dict[tuple[str, str, str, int], Any] = {}
+
+    def golden(self, request: dict[str, Any]) -> Any:
+        from kernelcrew.tools.correctness import make_golden
+
+        key = _key(request)
+        if key not in self._goldens:
+            self._goldens[key] = make_golden(
+                request["task_source"],
+                device=request["device"],
+                precision=request["precision"],
+                seed=int(request["seed"]),
+                task_path=request.get("task_path", "task.py"),
+                settings=self.settings,
+            )
+        return self._goldens[key]
+
+    def verify(self, request: dict[str, Any]) -> dict[str, Any]:
+        from kernelcrew.tools.correctness import verify
+
+        golden = self.golden(request)
+        verdict = verify(
+            request["task_source"],
+            request["candidate_source"],
+            candidate_path=request.get("candidate_path", "candidate.py"),
+            task_path=request.get("task_path", "task.py"),
+            golden=golden,
+            settings=self.settings,
+        )
+        return verdict.to_dict()
+
+    def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
+        from kernelcrew.tools.timing import benchmark
+
+        golden = self.golden(request)
+        candidates = {name: (source, f"{name}.py") for name, source in request.get("candidates", {}).items()}
+        return benchmark(
+            request["task_source"],
+            candidates,
+            compile_modes=request.get("compile_modes", ()),
+            quick=bool(request.get("quick", False)),
+            golden=golden,
+            task_path=request.get("task_path", "task.py"),
+            settings=self.settings,
+        )
+
+    def profile(self, request: dict[str, Any]) -> dict[str, Any]:
+        golden = self.golden(request)  # validates the task and fixes the weights and inputs
+        workdir = sandbox.make_workdir("kc-profile-")
+        try:
+            from kernelcrew.tools.correctness import share_inputs
+
+            share_inputs(golden, workdir, self.settings)
+            payload = {k: request[k] for k in ("task_source", "device", "precision", "seed")}
+            payload["task_path"] = request.get("task_path", "task.py")
+            res = sandbox.run(
+                "kernelcrew.tools.harness:profile_child", payload, workdir=workdir, settings=self.settings
+            )
+        finally:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+        if not res.ok:
+            raise TaskError(f"profiling the reference failed: {res.message}", path=request.get("task_path"))
+        return res.value or {}
+
+    def close(self) -> None:
+        for golden in self._goldens.values():
+            golden.cleanup()
+        self._goldens.clear()
