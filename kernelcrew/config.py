@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -49,6 +49,25 @@ class Settings(BaseSettings):
     compute_sanitizer: bool = Field(
         False, description="Run compute-sanitizer memcheck on the smallest input set."
     )
+
+    # LLM (kernelcrew/agents/llm.py). Empty `llm` means auto: the offline playbook unless an API key
+    # (or llm_base_url) is set. Keys are SecretStr so they never print.
+    llm: str = Field("", description='Backend: "", "playbook", "openai", "anthropic" or "replay".')
+    model: str = Field("", description="Model name; empty means the backend's default.")
+    llm_base_url: str = Field(
+        "", description="OpenAI-compatible server (vLLM, Ollama, SGLang) or a provider gateway."
+    )
+    llm_timeout_s: float = Field(120.0, gt=0, description="Timeout of one LLM request.")
+    llm_max_retries: int = Field(4, ge=0, description="Retries on 429, 5xx, timeouts, connection errors.")
+    llm_price_in: float | None = Field(None, ge=0, description="$ per million input tokens (overrides).")
+    llm_price_out: float | None = Field(None, ge=0, description="$ per million output tokens (overrides).")
+    openai_api_key: SecretStr = Field(
+        SecretStr(""), validation_alias=AliasChoices("KERNELCREW_OPENAI_API_KEY", "OPENAI_API_KEY")
+    )
+    anthropic_api_key: SecretStr = Field(
+        SecretStr(""), validation_alias=AliasChoices("KERNELCREW_ANTHROPIC_API_KEY", "ANTHROPIC_API_KEY")
+    )
+    replay_file: str = Field("", description='JSON file {"responses": [...]} for the replay backend.')
 
 
 @lru_cache

@@ -1,0 +1,1 @@
+"""The LangGraph workflow: planner, coder, verifier and profiler agents."""

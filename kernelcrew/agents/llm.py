@@ -1,0 +1,789 @@
+"""Chat models behind one interface: OpenAI (and compatible servers), Anthropic and recorded replies.
+
+The agents see only :class:`ChatModel`. :func:`resolve_chat_model` picks the provider from an explicit
+argument, then ``KERNELCREW_LLM``, then the keys it finds; it returns ``None`` for the offline playbook
+(no LLM at all), which is the default when no key is set. The SDKs' own retries are turned off: our
+loop retries rate limits (429), server errors (5xx, 529 overloaded), timeouts and connection errors
+with exponential backoff and jitter, honouring ``retry-after``, and raises :class:`LLMError` at once
+for a rejected request (400, 401, 403, 404). Token usage comes from the responses and cost from
+:data:`PRICES`; :class:`UsageMeter` adds them up per run and per agent.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import importlib
+import json
+import logging
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from kernelcrew.config import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("playbook", "openai", "anthropic", "replay")
+"""Valid values of ``KERNELCREW_LLM`` (empty means auto)."""
+
+DEFAULT_MODELS = {"openai": "gpt-5.1", "anthropic": "claude-sonnet-4-6", "replay": "replay"}
+"""Models used when neither an argument nor ``KERNELCREW_MODEL`` names one."""
+
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 20.0
+
+# Dollars per million tokens (input, output): list prices as of 2026, which may change. Set
+# KERNELCREW_LLM_PRICE_IN / KERNELCREW_LLM_PRICE_OUT to override (e.g. 0 for a local server).
+# Cached-input discounts and batch prices are ignored, so the cost is an upper bound. A model not
+# listed here (and not overridden) has an unknown cost, reported as "unknown", never as $0.
+PRICES: dict[str, tuple[float, float]] = {
+    # OpenAI
+    "gpt-5.4": (2.50, 15.0),
+    "gpt-5.2": (1.75, 14.0),
+    "gpt-5.1": (1.25, 10.0),
+    "gpt-5": (1.25, 10.0),
+    "gpt-5-mini": (0.25, 2.0),
+    "gpt-5-nano": (0.05, 0.40),
+    "gpt-4.1": (2.0, 8.0),
+    "gpt-4.1-mini": (0.40, 1.60),
+    "gpt-4o": (2.50, 10.0),
+    "o3": (2.0, 8.0),
+    "o4-mini": (1.10, 4.40),
+    # Anthropic
+    "claude-opus-4-7": (5.0, 25.0),
+    "claude-opus-4-6": (5.0, 25.0),
+    "claude-opus-4-5": (5.0, 25.0),
+    "claude-opus-4-1": (15.0, 75.0),
+    "claude-sonnet-4-6": (3.0, 15.0),
+    "claude-sonnet-4-5": (3.0, 15.0),
+    "claude-sonnet-4": (3.0, 15.0),
+    "claude-haiku-4-5": (1.0, 5.0),
+}
+
+_SNAPSHOT_SUFFIX = re.compile(r"-(\d{8}|\d{4}-\d{2}-\d{2})$")
+_REASONING_MODEL = re.compile(r"^(o\d|gpt-([5-9]|\d\d))")  # o1/o3/o4..., gpt-5 and later
+_KEY_LIKE = re.compile(r"\b(sk-[A-Za-z0-9_-]{4})[A-Za-z0-9_*-]{4,}")
+
+
+# --- Data -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Message:
+    """One chat message."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+@dataclass
+class Usage:
+    """Tokens of one completion and its cost in dollars (None when the model's price is unknown)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = None
+
+
+@dataclass
+class Completion:
+    """A model's reply with its usage; ``attempts`` counts HTTP requests (1 + retries)."""
+
+    text: str
+    usage: Usage
+    model: str
+    provider: str
+    attempts: int
+    stop_reason: str = ""
+    """The provider's finish/stop reason ("stop", "end_turn", "length", "max_tokens"...)."""
+
+
+@runtime_checkable
+class ChatModel(Protocol):
+    """What the agents call; tests pass a :class:`ReplayChat`."""
+
+    provider: str
+    model: str
+
+    def complete(
+        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
+    ) -> Completion: ...
+
+
+class LLMError(RuntimeError):
+    """A model call failed: a rejected request, or retries exhausted (``retryable`` is then True).
+
+    The message names the provider, the model and the reason; it never contains an API key.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = False,
+        provider: str = "",
+        model: str = "",
+        status_code: int | None = None,
+        attempts: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.provider = provider
+        self.model = model
+        self.status_code = status_code
+        self.attempts = attempts
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "retryable": self.retryable,
+            "provider": self.provider,
+            "model": self.model,
+            "status_code": self.status_code,
+            "attempts": self.attempts,
+        }
+        return (_rebuild_llm_error, (str(self), kwargs))
+
+
+def _rebuild_llm_error(message: str, kwargs: dict[str, Any]) -> LLMError:
+    return LLMError(message, **kwargs)
+
+
+# --- Prices and usage ---------------------------------------------------------------------------------
+
+
+def price_per_million(model: str) -> tuple[float, float] | None:
+    """(input, output) dollars per million tokens of ``model`` or its dated snapshot, else None."""
+    name = model.strip().lower()
+    if name in PRICES:
+        return PRICES[name]
+    base = _SNAPSHOT_SUFFIX.sub("", name)
+    return PRICES.get(base)
+
+
+def estimate_cost(
+    models: Sequence[str],
+    input_tokens: int,
+    output_tokens: int,
+    *,
+    price_in: float | None = None,
+    price_out: float | None = None,
+) -> float | None:
+    """Dollars for the tokens, priced by the first of ``models`` in :data:`PRICES`; overrides win."""
+    table = next((p for p in map(price_per_million, models) if p is not None), None)
+    p_in = price_in if price_in is not None else (table[0] if table else None)
+    p_out = price_out if price_out is not None else (table[1] if table else None)
+    if p_in is None or p_out is None:
+        return None
+    return (input_tokens * p_in + output_tokens * p_out) / 1e6
+
+
+def _add_cost(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+@dataclass
+class AgentUsage:
+    """Calls, tokens and cost of one agent."""
+
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = 0.0
+
+
+@dataclass
+class UsageMeter:
+    """Calls, tokens and dollars of a run, in total and per agent; JSON-serializable via to_dict().
+
+    ``cost_usd`` becomes None (reported "unknown") as soon as one call's price is unknown.
+    ``meter_a + meter_b`` returns a new meter, so a graph state can use ``operator.add`` as reducer.
+    """
+
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = 0.0
+    by_agent: dict[str, AgentUsage] = field(default_factory=dict)
+
+    def add(self, completion: Completion, agent: str) -> None:
+        """Count one completion made by ``agent``."""
+        u = completion.usage
+        for tally in (self, self.by_agent.setdefault(agent, AgentUsage())):
+            tally.calls += 1
+            tally.input_tokens += u.input_tokens
+            tally.output_tokens += u.output_tokens
+            tally.cost_usd = _add_cost(tally.cost_usd, u.cost_usd)
+
+    def __add__(self, other: UsageMeter) -> UsageMeter:
+        if not isinstance(other, UsageMeter):
+            return NotImplemented
+        merged = UsageMeter.from_dict(self.to_dict())
+        for tally, theirs in [(merged, other)] + [
+            (merged.by_agent.setdefault(name, AgentUsage()), a) for name, a in other.by_agent.items()
+        ]:
+            tally.calls += theirs.calls
+            tally.input_tokens += theirs.input_tokens
+            tally.output_tokens += theirs.output_tokens
+            tally.cost_usd = _add_cost(tally.cost_usd, theirs.cost_usd)
+        return merged
+
+    @property
+    def cost_text(self) -> str:
+        """The cost for a report: "$0.0123", or "unknown" when a price was unknown."""
+        return "unknown" if self.cost_usd is None else f"${self.cost_usd:.4f}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types only (stored in LangGraph checkpoints and reports)."""
+        return {
+            "calls": self.calls,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cost_usd": self.cost_usd,
+            "by_agent": {
+                name: {
+                    "calls": a.calls,
+                    "input_tokens": a.input_tokens,
+                    "output_tokens": a.output_tokens,
+                    "cost_usd": a.cost_usd,
+                }
+                for name, a in self.by_agent.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UsageMeter:
+        """The inverse of :meth:`to_dict`."""
+        return cls(
+            calls=int(data.get("calls", 0)),
+            input_tokens=int(data.get("input_tokens", 0)),
+            output_tokens=int(data.get("output_tokens", 0)),
+            cost_usd=data.get("cost_usd", 0.0),
+            by_agent={name: AgentUsage(**a) for name, a in data.get("by_agent", {}).items()},
+        )
+
+
+# --- Retries ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Failure:
+    retryable: bool
+    reason: str
+    status_code: int | None = None
+    retry_after_s: float | None = None
+
+
+def parse_retry_after(headers: Any) -> float | None:
+    """Seconds asked for by ``retry-after-ms`` or ``retry-after`` (seconds or an HTTP date), or None."""
+    if headers is None:
+        return None
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) / divisor
+        except ValueError:
+            if name != "retry-after":
+                continue
+            try:
+                when = email.utils.parsedate_to_datetime(value)
+            except (TypeError, ValueError):
+                continue
+            seconds = when.timestamp() - time.time()
+        if math.isfinite(seconds):
+            return max(0.0, seconds)
+    return None
+
+
+def backoff_delay(
+    attempt: int, retry_after_s: float | None = None, rng: random.Random | None = None
+) -> float:
+    """Seconds to wait before retry number ``attempt`` (1-based).
+
+    The server's ``retry-after`` when given, else ``0.5 s * 2**(attempt-1)`` with jitter (50-100%);
+    both capped at 20 s.
+    """
+    if retry_after_s is not None:
+        return min(retry_after_s, BACKOFF_CAP_S)
+    delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1))
+    return delay * (0.5 + 0.5 * (rng or random).random())
+
+
+def _redact(text: str, secret: str) -> str:
+    if secret and len(secret) >= 4:
+        text = text.replace(secret, "***")
+    return _KEY_LIKE.sub(r"\1***", text)
+
+
+def _server_message(exc: Any) -> str:
+    """The provider's own explanation from an error body, shortened."""
+    body = getattr(exc, "body", None)
+    message = None
+    if isinstance(body, dict):
+        inner = body.get("error")
+        message = inner.get("message") if isinstance(inner, dict) else None
+        message = message or body.get("message")
+    message = str(message or getattr(exc, "message", "") or exc)
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
+def _classify(sdk: Any, exc: Exception, provider: str, model: str, where: str, timeout_s: float) -> _Failure:
+    """Turn an SDK error (openai/anthropic share the class names) into a retry decision and a reason."""
+    if isinstance(exc, sdk.APITimeoutError):
+        return _Failure(True, f"no answer from {where} within {timeout_s:g} s (timeout)")
+    if isinstance(exc, sdk.APIConnectionError):
+        return _Failure(True, f"could not connect to {where} ({exc.__cause__ or exc})")
+    if not isinstance(exc, sdk.APIStatusError):
+        return _Failure(False, f"malformed response from {where}: {exc}")
+    status = exc.status_code
+    headers = exc.response.headers
+    detail = _server_message(exc)
+    should_retry = headers.get("x-should-retry")
+    if status == 429:
+        failure = _Failure(True, f"rate limited (429): {detail}", status)
+    elif status == 529:
+        failure = _Failure(True, f"overloaded (529): {detail}", status)
+    elif status >= 500:
+        failure = _Failure(True, f"server error ({status}): {detail}", status)
+    elif status in (408, 409):
+        failure = _Failure(True, f"transient error ({status}): {detail}", status)
+    elif status == 401:
+        # The server's text quotes part of the key: leave it out.
+        return _Failure(False, f"{provider} rejected the API key (401)", status)
+    elif status == 403:
+        failure = _Failure(False, f"{provider} denied access to model {model} (403): {detail}", status)
+    elif status == 404:
+        failure = _Failure(
+            False, f"{provider} has no model {model!r} or endpoint at {where} (404): {detail}", status
+        )
+    elif status == 400:
+        failure = _Failure(False, f"{provider} rejected the request (400): {detail}", status)
+    else:
+        failure = _Failure(False, f"{provider} rejected the request ({status}): {detail}", status)
+    if should_retry in ("true", "false"):  # the providers' own hint, as their SDKs obey it
+        failure = _Failure(should_retry == "true", failure.reason, status)
+    if failure.retryable:
+        failure = _Failure(True, failure.reason, status, parse_retry_after(headers))
+    return failure
+
+
+class _RetryingClient:
+    """The retry loop shared by the HTTP providers."""
+
+    provider: str
+    model: str
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        sdk: Any,
+        default_host: str,
+        api_key: str,
+        base_url: str,
+        timeout_s: float,
+        max_retries: int,
+        price_in: float | None,
+        price_out: float | None,
+        sleep: Callable[[float], None],
+        rng: random.Random | None,
+    ) -> None:
+        self.model = model
+        self.base_url = base_url
+        self.price_in = price_in
+        self.price_out = price_out
+        self._sdk = sdk
+        self._where = base_url or default_host
+        self._secret = api_key
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+
+    def _call(self, request: Callable[[], Any]) -> tuple[Any, int]:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return request(), attempt
+            except self._sdk.APIError as exc:
+                failure = _classify(self._sdk, exc, self.provider, self.model, self._where, self.timeout_s)
+                reason = _redact(failure.reason, self._secret)
+                if failure.retryable and attempt <= self.max_retries:
+                    delay = backoff_delay(attempt, failure.retry_after_s, self._rng)
+                    log.warning(
+                        "%s (%s): %s; retry %d/%d in %.1f s",
+                        self.provider,
+                        self.model,
+                        reason,
+                        attempt,
+                        self.max_retries,
+                        delay,
+                    )
+                    self._sleep(delay)
+                    continue
+                if failure.retryable:
+                    reason += f"; gave up after {attempt} attempts"
+                raise LLMError(
+                    f"{self.provider} ({self.model}): {reason}",
+                    retryable=failure.retryable,
+                    provider=self.provider,
+                    model=self.model,
+                    status_code=failure.status_code,
+                    attempts=attempt,
+                ) from None
+
+    def _empty_reply(self, stop_reason: str, max_tokens: int, attempts: int, refusal: str = "") -> LLMError:
+        if refusal:
+            why = f"the model refused: {refusal[:300]}"
+        elif stop_reason in ("length", "max_tokens"):
+            why = (
+                f"the reply was cut at max_tokens={max_tokens} before any text "
+                "(reasoning models spend part of it thinking): raise max_tokens"
+            )
+        else:
+            why = f"the reply has no text (stop reason {stop_reason or 'none'})"
+        return LLMError(
+            f"{self.provider} ({self.model}): {why}",
+            provider=self.provider,
+            model=self.model,
+            attempts=attempts,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.model!r}, where={self._where!r})"
+
+
+def _import_sdk(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise LLMError(
+            f"the {name} backend needs the {name} package: pip install {name}", provider=name
+        ) from None
+
+
+# --- Providers ----------------------------------------------------------------------------------------
+
+
+class OpenAIChat(_RetryingClient):
+    """OpenAI's Chat Completions API, or any OpenAI-compatible server (vLLM, Ollama, SGLang) at base_url.
+
+    On OpenAI's reasoning models (gpt-5 and later, o1/o3/o4...) the budget goes in ``max_completion_tokens``
+    and no temperature is sent: those models reject ``max_tokens`` and any temperature but 1.
+    """
+
+    provider = "openai"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str = "",
+        base_url: str = "",
+        timeout_s: float = 120.0,
+        max_retries: int = 4,
+        price_in: float | None = None,
+        price_out: float | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        openai = _import_sdk("openai")
+        super().__init__(
+            model,
+            sdk=openai,
+            default_host="api.openai.com",
+            api_key=api_key,
+            base_url=base_url,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            price_in=price_in,
+            price_out=price_out,
+            sleep=sleep,
+            rng=rng,
+        )
+        self._client = openai.OpenAI(
+            api_key=api_key or "EMPTY", base_url=base_url or None, timeout=timeout_s, max_retries=0
+        )
+
+    def _params(self, messages: list[Message], temperature: float, max_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": m.role, "content": m.content} for m in messages],
+        }
+        if _REASONING_MODEL.match(self.model):
+            params["max_completion_tokens"] = max_tokens
+        else:
+            params["temperature"] = temperature
+            params["max_tokens"] = max_tokens
+        return params
+
+    def complete(
+        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
+    ) -> Completion:
+        """One chat completion, retried on transient failures."""
+        params = self._params(messages, temperature, max_tokens)
+        response, attempts = self._call(lambda: self._client.chat.completions.create(**params))
+        if not response.choices:
+            raise self._empty_reply("", max_tokens, attempts)
+        choice = response.choices[0]
+        text = choice.message.content or ""
+        stop = choice.finish_reason or ""
+        if not text.strip():
+            raise self._empty_reply(
+                stop, max_tokens, attempts, getattr(choice.message, "refusal", None) or ""
+            )
+        usage = response.usage
+        n_in = (usage.prompt_tokens or 0) if usage else 0
+        n_out = (usage.completion_tokens or 0) if usage else 0
+        served = response.model or self.model
+        cost = estimate_cost(
+            [served, self.model], n_in, n_out, price_in=self.price_in, price_out=self.price_out
+        )
+        return Completion(text, Usage(n_in, n_out, cost), served, self.provider, attempts, stop)
+
+
+class AnthropicChat(_RetryingClient):
+    """Anthropic's Messages API; system messages go into ``system``, the rest stay in order.
+
+    ``temperature`` is accepted for the protocol and not sent: the SDK (2.x) speaks API version
+    2026-10-21, which rejects every sampling parameter (and removed them from ``messages.create``).
+    The SDK sends the key as ``Authorization: Bearer``.
+    """
+
+    provider = "anthropic"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str,
+        base_url: str = "",
+        timeout_s: float = 120.0,
+        max_retries: int = 4,
+        price_in: float | None = None,
+        price_out: float | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        anthropic = _import_sdk("anthropic")
+        super().__init__(
+            model,
+            sdk=anthropic,
+            default_host="api.anthropic.com",
+            api_key=api_key,
+            base_url=base_url,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            price_in=price_in,
+            price_out=price_out,
+            sleep=sleep,
+            rng=rng,
+        )
+        self._client = anthropic.Anthropic(
+            api_key=api_key, base_url=base_url or None, timeout=timeout_s, max_retries=0
+        )
+
+    def complete(
+        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
+    ) -> Completion:
+        """One message, retried on transient failures."""
+        system = "\n\n".join(m.content for m in messages if m.role == "system")
+        turns = [{"role": m.role, "content": m.content} for m in messages if m.role != "system"]
+        if not turns:
+            raise ValueError("anthropic needs at least one user message besides the system prompt")
+        params: dict[str, Any] = {
+            "model": self.model,
+            "messages": turns,
+            "max_tokens": max_tokens,
+        }
+        if system:
+            params["system"] = system
+        response, attempts = self._call(lambda: self._client.messages.create(**params))
+        text = "".join(b.text for b in response.content if getattr(b, "type", "") == "text")
+        stop = response.stop_reason or ""
+        if not text.strip():
+            raise self._empty_reply(stop, max_tokens, attempts, "refused" if stop == "refusal" else "")
+        usage = response.usage
+        n_in = (usage.input_tokens or 0) if usage else 0
+        n_out = (usage.output_tokens or 0) if usage else 0
+        served = response.model or self.model
+        cost = estimate_cost(
+            [served, self.model], n_in, n_out, price_in=self.price_in, price_out=self.price_out
+        )
+        return Completion(text, Usage(n_in, n_out, cost), served, self.provider, attempts, stop)
+
+
+class ReplayChat:
+    """Plays recorded replies in order and records what it was sent (``.sent``), for tests and demos.
+
+    ``responses`` is a list of reply texts or the path of a JSON file ``{"responses": [...]}``.
+    """
+
+    provider = "replay"
+
+    def __init__(self, responses: Sequence[str] | str | Path, *, model: str = "replay") -> None:
+        if isinstance(responses, (str, Path)):
+            responses = _load_replay_file(Path(responses))
+        if not all(isinstance(r, str) for r in responses):
+            raise ValueError("replay responses must be strings")
+        self.model = model
+        self.responses: list[str] = list(responses)
+        self.sent: list[list[Message]] = []
+        self._next = 0
+
+    @property
+    def remaining(self) -> int:
+        """Replies not played yet."""
+        return len(self.responses) - self._next
+
+    def complete(
+        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
+    ) -> Completion:
+        """The next recorded reply; LLMError when all were played."""
+        self.sent.append([Message(m.role, m.content) for m in messages])
+        if self._next >= len(self.responses):
+            raise LLMError(
+                f"replay ({self.model}): all {len(self.responses)} recorded responses were used",
+                provider=self.provider,
+                model=self.model,
+            )
+        text = self.responses[self._next]
+        self._next += 1
+        return Completion(text, Usage(0, 0, 0.0), self.model, self.provider, 1, "end_turn")
+
+
+def _load_replay_file(path: Path) -> list[str]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read replay file {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"replay file {path} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("responses"), list):
+        raise ValueError(f'replay file {path} must hold an object {{"responses": [...]}}')
+    return data["responses"]
+
+
+# --- Choosing the model -------------------------------------------------------------------------------
+
+
+def _auto_backend(settings: Settings) -> str:
+    if settings.openai_api_key.get_secret_value() or settings.llm_base_url:
+        return "openai"
+    if settings.anthropic_api_key.get_secret_value():
+        return "anthropic"
+    return "playbook"
+
+
+def resolve_chat_model(
+    settings: Settings | None = None, *, backend: str | None = None, model: str | None = None
+) -> ChatModel | None:
+    """The chat model to use, or None for the offline playbook.
+
+    The backend is ``backend`` if given, else ``KERNELCREW_LLM``, else auto: openai when
+    ``OPENAI_API_KEY`` (or ``KERNELCREW_LLM_BASE_URL``, an OpenAI-compatible server) is set, anthropic
+    when ``ANTHROPIC_API_KEY`` is, else the playbook. The model is ``model``, else
+    ``KERNELCREW_MODEL``, else gpt-5.1 (openai) / claude-sonnet-4-6 (anthropic). An openai backend
+    with a base_url needs no key. Raises LLMError when the chosen backend lacks its key or file, and
+    ValueError for an unknown backend.
+    """
+    settings = settings or get_settings()
+    name = (settings.llm if backend is None else backend).strip().lower()
+    if not name:
+        name = _auto_backend(settings)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown LLM backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if name == "playbook":
+        return None
+    chosen = model or settings.model or DEFAULT_MODELS[name]
+    if name == "replay":
+        if not settings.replay_file:
+            raise LLMError(
+                "the replay backend needs a recording: set KERNELCREW_REPLAY_FILE", provider="replay"
+            )
+        return ReplayChat(settings.replay_file, model=chosen)
+    common: dict[str, Any] = {
+        "base_url": settings.llm_base_url,
+        "timeout_s": settings.llm_timeout_s,
+        "max_retries": settings.llm_max_retries,
+        "price_in": settings.llm_price_in,
+        "price_out": settings.llm_price_out,
+    }
+    if name == "openai":
+        key = settings.openai_api_key.get_secret_value()
+        if not key and not settings.llm_base_url:
+            raise LLMError(
+                "the openai backend needs an API key: set OPENAI_API_KEY (or KERNELCREW_OPENAI_API_KEY), "
+                "or KERNELCREW_LLM_BASE_URL for an OpenAI-compatible server",
+                provider="openai",
+                model=chosen,
+            )
+        return OpenAIChat(chosen, api_key=key, **common)
+    key = settings.anthropic_api_key.get_secret_value()
+    if not key:
+        raise LLMError(
+            "the anthropic backend needs an API key: set ANTHROPIC_API_KEY (or KERNELCREW_ANTHROPIC_API_KEY)",
+            provider="anthropic",
+            model=chosen,
+        )
+    return AnthropicChat(chosen, api_key=key, **common)
+
+
+# --- Reading replies ----------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+.-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
+_OPEN_FENCE = re.compile(r"^[ \t]*```[ \t]*(python3?|py)\b", re.M)
+_PYTHON = ("python", "python3", "py")
+
+
+def extract_json(text: str) -> dict[str, Any]:
+    """The first JSON object in a reply (a ```json block first, else anywhere); ValueError otherwise."""
+    if not text or not text.strip():
+        raise ValueError("the reply is empty")
+    decoder = json.JSONDecoder()
+    fence_error = ""
+    for lang, body in _FENCE.findall(text):
+        if lang.lower() not in ("json", ""):
+            continue
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as exc:
+            fence_error = f"its ```json block is not valid JSON ({exc.msg} at line {exc.lineno})"
+            continue
+        if isinstance(value, dict):
+            return value
+    for match in re.finditer(r"\{", text):
+        try:
+            value, _ = decoder.raw_decode(text, match.start())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    raise ValueError(
+        f"no JSON object in the reply: {fence_error}" if fence_error else "no JSON object in the reply"
+    )
+
+
+def extract_code(text: str) -> str:
+    """The candidate source in a reply: the last ```python block (preferring one that defines
+    ``class ModelNew``), else the whole reply if it defines ``class ModelNew``; ValueError otherwise."""
+    if not text or not text.strip():
+        raise ValueError("the reply is empty")
+    blocks = [body for lang, body in _FENCE.findall(text) if lang.lower() in _PYTHON]
+    if not blocks:
+        blocks = [body for lang, body in _FENCE.findall(text) if not lang and "class ModelNew" in body]
+    if blocks:
+        with_model = [b for b in blocks if re.search(r"^class ModelNew\b", b, re.M)]
+        return (with_model or blocks)[-1].strip("\n") + "\n"
+    if _OPEN_FENCE.search(text):
+        raise ValueError("the reply's ```python block is never closed (truncated reply?)")
+    if re.search(r"^class ModelNew\b", text, re.M) and "```" not in text:
+        return text.strip("\n") + "\n"
+    raise ValueError("no ```python block and no `class ModelNew` in the reply")
