@@ -1,0 +1,134 @@
+"""The offline optimizer's menu: strategies that turn an analysed task into candidate sources, no LLM.
+
+Each strategy is one module with the same three functions:
+
+* ``match(analysis, **options) -> (plan | None, reason)``: whether it applies, and why (not);
+* ``generate(task_source, analysis, plan, params) -> str``: a complete candidate source;
+* ``tuning_space(plan, arch) -> list[dict]``: the ``params`` worth timing on an architecture class.
+
+:data:`STRATEGIES` names each strategy with its module and options; adding one (reductions,
+matmul epilogues, attention...) is a new module and one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One entry of the menu: ``source_kind`` is ``kernel``, ``compiler`` or ``library``."""
+
+    name: str
+    source_kind: str
+    description: str
+    module: str = ""
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def implementation(self) -> ModuleType:
+        """The module with ``match``/``generate``/``tuning_space``."""
+        return importlib.import_module(self.module)
+
+    def match(self, analysis: TaskAnalysis) -> tuple[Any, str]:
+        """``(plan, reason)``; the plan is None when the strategy does not apply."""
+        return self.implementation().match(analysis, **dict(self.options))
+
+    def tuning_space(self, plan: Any, arch: str) -> list[dict[str, Any]]:
+        return self.implementation().tuning_space(plan, arch)
+
+
+_PKG = __name__
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy(
+            "fused_pointwise",
+            "kernel",
+            "The whole forward is elementwise: one Triton kernel loads each operand once (any "
+            "NumPy broadcast), computes the chain in fp32 registers and stores once.",
+            module=f"{_PKG}.pointwise",
+        ),
+        Strategy(
+            "torch_compile",
+            "compiler",
+            "The task's own module through torch.compile (Inductor, mode='default', dynamic=False).",
+            module=f"{_PKG}.compiler",
+            options=(("mode", "default"),),
+        ),
+        Strategy(
+            "torch_compile_max_autotune",
+            "compiler",
+            "The task's own module through torch.compile with mode='max-autotune-no-cudagraphs' "
+            "(autotuned Triton templates, longer compile), dynamic=False.",
+            module=f"{_PKG}.compiler",
+            options=(("mode", "max-autotune-no-cudagraphs"),),
+        ),
+    )
+}
+
+
+def applicable(analysis: TaskAnalysis) -> list[tuple[Strategy, str]]:
+    """Every strategy that applies to the analysed task, with the reason it applies, in menu order."""
+    found = []
+    for strategy in STRATEGIES.values():
+        plan, reason = strategy.match(analysis)
+        if plan is not None:
+            found.append((strategy, reason))
+    return found
+
+
+def rejected(analysis: TaskAnalysis) -> dict[str, str]:
+    """Why each strategy that does not apply was turned down."""
+    out = {}
+    for strategy in STRATEGIES.values():
+        plan, reason = strategy.match(analysis)
+        if plan is None:
+            out[strategy.name] = reason
+    return out
+
+
+def get_strategy(name: str) -> Strategy:
+    """The menu entry called ``name``; ``ValueError`` naming the known ones otherwise."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r} (known: {', '.join(STRATEGIES)})") from None
+
+
+def generate(
+    strategy: str, task_source: str, analysis: TaskAnalysis, params: dict[str, Any] | None = None
+) -> str:
+    """The candidate source of ``strategy`` for the task; ``ValueError`` if unknown or inapplicable."""
+    entry = get_strategy(strategy)
+    plan, reason = entry.match(analysis)
+    if plan is None:
+        raise ValueError(f"strategy {strategy!r} does not apply: {reason}")
+    return entry.implementation().generate(task_source, analysis, plan, dict(params or {}))
+
+
+def tuning_space(strategy: str, analysis: TaskAnalysis, arch: str) -> list[dict[str, Any]]:
+    """The ``params`` of ``strategy`` worth timing on ``arch`` (``sm_80``, ``sm_90``, ``sm_100``, ``cpu``)."""
+    entry = get_strategy(strategy)
+    plan, reason = entry.match(analysis)
+    if plan is None:
+        raise ValueError(f"strategy {strategy!r} does not apply: {reason}")
+    return entry.tuning_space(plan, arch)
+
+
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "TaskAnalysis",
+    "analyze",
+    "applicable",
+    "generate",
+    "get_strategy",
+    "rejected",
+    "tuning_space",
+]
