@@ -50,19 +50,6 @@ def resolve_device(device: Device) -> str:
     return device.value
 
 
-def _compile_modes(spec: str, device: str) -> list[str]:
-    if spec == "auto":
-        return ["default", "max-autotune-no-cudagraphs"] if device == "cuda" else ["default"]
-    if spec == "none":
-        return []
-    modes = [m.strip() for m in spec.split(",") if m.strip()]
-    allowed = {"default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"}
-    bad = [m for m in modes if m not in allowed]
-    if bad:
-        raise TaskError(f"unknown torch.compile mode(s) {bad}; use {sorted(allowed)}, auto or none")
-    return modes
-
-
 @app.command()
 def verify(
     task: Annotated[
@@ -130,7 +117,10 @@ def run_verify(
     task_source = read_source(task)
     candidate_source = read_source(candidate)
     dev = resolve_device(device)
-    modes = _compile_modes(compile_modes, dev)
+    try:
+        modes = timing_mod.parse_compile_modes(compile_modes, dev)
+    except ValueError as exc:
+        raise TaskError(str(exc)) from exc
     settings = get_settings().model_copy(
         update={"compute_sanitizer": memcheck or get_settings().compute_sanitizer}
     )
@@ -179,6 +169,83 @@ def run_verify(
     ]
     report["reproduce"] = shlex.join(cmd)
     return report
+
+
+@app.command()
+def optimize(
+    task: Annotated[
+        Path | None, typer.Argument(help="Task file (KernelBench format); not needed with --resume.")
+    ] = None,
+    backend: Annotated[str, typer.Option(help="auto, playbook, openai, anthropic or replay.")] = "auto",
+    model: Annotated[str, typer.Option(help="The LLM's model name (KERNELCREW_MODEL).")] = "",
+    max_iters: Annotated[int, typer.Option(min=1, max=200, help="Plan-code-verify steps at most.")] = 6,
+    time_budget: Annotated[float, typer.Option(min=1, help="Seconds for the whole run.")] = 900.0,
+    device: Annotated[Device, typer.Option(help="Where to run: cuda, cpu, or auto.")] = Device.auto,
+    precision: Annotated[
+        Precision, typer.Option(help="strict (fp32 stays fp32) or relaxed (TF32 allowed).")
+    ] = Precision.strict,
+    start: Annotated[
+        Path | None, typer.Option(help="A ModelNew file to start from (verified first).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Where best.py and the reports go (default: the run's folder).")
+    ] = None,
+    chat: Annotated[bool, typer.Option(help="Type guidance for the crew between steps.")] = False,
+    resume: Annotated[
+        str | None, typer.Option(help="Continue the run with this id from its checkpoint.")
+    ] = None,
+    message: Annotated[
+        list[str] | None, typer.Option(help="Guidance for a resumed run (repeatable).")
+    ] = None,
+    local_only: Annotated[
+        bool, typer.Option(help="Never send the source to an external LLM provider.")
+    ] = False,
+    seed: Annotated[int | None, typer.Option(help="Replay a run's inputs with its logged seed.")] = None,
+    compile_modes: Annotated[
+        str, typer.Option(help="torch.compile baselines: auto, none, or a comma list.")
+    ] = "auto",
+    quick: Annotated[bool, typer.Option(help="Few timing repetitions (fast, noisy).")] = False,
+) -> None:
+    """Run the crew on a task and write best.py, report.md and report.json."""
+    from kernelcrew.agents.llm import BACKENDS, LLMError
+    from kernelcrew.agents.run import OptimizeRequest, run_optimize
+
+    try:
+        if backend not in ("auto", *BACKENDS):
+            raise TaskError(f"unknown backend {backend!r}: choose auto or one of {', '.join(BACKENDS)}")
+        request = OptimizeRequest(
+            task=task,
+            backend=backend,
+            model=model,
+            max_iters=max_iters,
+            time_budget_s=time_budget,
+            device=resolve_device(device) if resume is None or device != Device.auto else None,
+            precision=precision.value,
+            start=start,
+            out=out,
+            chat=chat,
+            resume=resume,
+            messages=list(message or []),
+            local_only=local_only,
+            seed=seed,
+            compile_modes=compile_modes,
+            quick=quick,
+        )
+        report = run_optimize(request, console=console, ask=_ask_guidance if chat else None)
+    except (TaskError, LLMError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: the run is checkpointed; continue it with --resume RUN_ID")
+        raise typer.Exit(130) from None
+    if report is None:
+        raise typer.Exit(1)
+    raise typer.Exit(0)
+
+
+def _ask_guidance(step: int) -> str:
+    """Read one line of guidance from the terminal (empty: go on)."""
+    return typer.prompt(f"guidance before step {step} (enter to go on)", default="", show_default=False)
 
 
 def _merge_timing(report: dict[str, Any], bench: dict[str, Any]) -> None:

@@ -1,0 +1,51 @@
+"""What every node of a run can reach besides the state: executor, model, usage meter, events.
+
+The context is rebuilt by whoever runs the graph (CLI, orchestrator) and never checkpointed: it
+holds connections and callbacks, the state holds the facts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernelcrew.tools.executor import Executor
+
+
+@dataclass
+class CrewContext:
+    """Injected into every node as ``runtime.context``."""
+
+    executor: Executor
+    chat: Any | None = None
+    """A ``ChatModel`` (kernelcrew.agents.llm), or None for the offline playbook."""
+    meter: Any | None = None
+    """The run's ``UsageMeter`` (tokens and cost per agent)."""
+    out_dir: Path | None = None
+    run_id: str = ""
+    on_event: Callable[[dict[str, Any]], None] | None = None
+    analyze: Callable[..., Any] | None = None
+    """Sandboxed FX analysis of the task (the playbook's); injectable for tests."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def emit(self, kind: str, **data: Any) -> None:
+        """Tell the user (progress view, SSE stream) what just happened."""
+        event = {"kind": kind, "time": time.time(), **data}
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def request(self, state: Any, **extra: Any) -> dict[str, Any]:
+        """The fields every executor request carries, from the run's state."""
+        opts = state.options
+        return {
+            "task_source": state.task_source,
+            "task_path": state.task_path,
+            "device": opts.device,
+            "precision": opts.precision,
+            "seed": opts.seed,
+            **extra,
+        }

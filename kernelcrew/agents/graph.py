@@ -1,0 +1,82 @@
+"""The crew's workflow: profile_baseline -> plan -> code -> verify -> profile -> decide -> plan | finalize."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Literal
+
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import END, START, StateGraph
+
+from kernelcrew.agents.coder import code
+from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.decide import decide, route_after_decide
+from kernelcrew.agents.planner import plan
+from kernelcrew.agents.profiler import profile, profile_baseline
+from kernelcrew.agents.report import finalize
+from kernelcrew.agents.state import CrewState
+from kernelcrew.agents.verifier import route_after_verify, verify
+
+#: The state's own types, allowed when a checkpoint is read back (nothing else is unpickled).
+STATE_TYPES = [
+    ("kernelcrew.agents.state", "Options"),
+    ("kernelcrew.agents.state", "Candidate"),
+    ("kernelcrew.agents.state", "PlanStep"),
+    ("kernelcrew.agents.state", "CrewState"),
+]
+
+
+def route_after_plan(state: CrewState) -> Literal["code", "decide"]:
+    """A step goes to the coder; no step (none left, the user said stop, a failed plan) to decide."""
+    return "code" if state.plan is not None else "decide"
+
+
+def route_after_code(state: CrewState) -> Literal["verify", "decide"]:
+    """A draft goes to the verifier; a step the coder could not write is recorded by decide."""
+    if state.draft is None:
+        raise ValueError("code produced no draft")
+    return "decide" if state.draft.stage == "code" else "verify"
+
+
+def build_graph() -> StateGraph:
+    """The uncompiled builder: callers compile it with their own checkpointer."""
+    builder = StateGraph(CrewState, context_schema=CrewContext)
+    builder.add_node("profile_baseline", profile_baseline)
+    builder.add_node("plan", plan)
+    builder.add_node("code", code)
+    builder.add_node("verify", verify)
+    builder.add_node("profile", profile)
+    builder.add_node("decide", decide)
+    builder.add_node("finalize", finalize)
+
+    builder.add_edge(START, "profile_baseline")
+    builder.add_edge("profile_baseline", "plan")
+    builder.add_conditional_edges("plan", route_after_plan)
+    builder.add_conditional_edges("code", route_after_code)
+    builder.add_conditional_edges("verify", route_after_verify)
+    builder.add_edge("profile", "decide")
+    builder.add_conditional_edges("decide", route_after_decide)
+    builder.add_edge("finalize", END)
+    return builder
+
+
+def serializer() -> JsonPlusSerializer:
+    return JsonPlusSerializer(allowed_msgpack_modules=STATE_TYPES)
+
+
+def sqlite_checkpointer(path: Path) -> SqliteSaver:
+    """LangGraph's SQLite saver on ``path`` (thread id = run id)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return SqliteSaver(sqlite3.connect(str(path), check_same_thread=False), serde=serializer())
+
+
+def compile_graph(checkpointer, *, pause_before_plan: bool = False):
+    """The compiled graph; ``pause_before_plan`` stops before each plan so a user can add guidance."""
+    return build_graph().compile(
+        checkpointer=checkpointer, interrupt_before=["plan"] if pause_before_plan else None
+    )
+
+
+__all__ = ["CrewContext", "build_graph", "compile_graph", "sqlite_checkpointer"]

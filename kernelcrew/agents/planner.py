@@ -1,0 +1,219 @@
+"""The planner agent: reads the diagnosis, what was tried and the user's messages; returns one step.
+
+With an LLM it asks for a :class:`PlanStep` as JSON (validated; an invalid answer is re-asked
+once, then the step counts as failed). Without one, the playbook plans: the applicable
+strategies of the task's graph, own kernels first, each with its tuning configurations, never the
+same (strategy, parameters) twice, shaped by the user's guidance.
+
+Guidance the playbook obeys (one per message, case-insensitive):
+
+    only triton | only kernels        own kernels only (no torch.compile candidates)
+    keep fp32                         strict precision is kept (it is the default)
+    try <strategy>                    that strategy next
+    skip <strategy>                   never that strategy
+    more iterations                   three more steps
+    stop                              finish now with the best so far
+
+Anything else is answered with what the playbook can do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from langgraph.runtime import Runtime
+from pydantic import ValidationError
+
+from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.state import CrewState, PlanStep
+
+GUIDANCE = re.compile(
+    r"^\s*(?:(?P<only>only (?:triton|kernels?))|(?P<fp32>keep fp32)|(?P<more>more iterations)|(?P<stop>stop)"
+    r"|(?:(?P<verb>try|skip)\s+(?P<name>[\w:-]+)))\s*\.?\s*$",
+    re.I,
+)
+
+
+def parse_guidance(message: str) -> tuple[str, str]:
+    """``(action, argument)`` of a guidance message; ``("unknown", message)`` when it is none."""
+    m = GUIDANCE.match(message)
+    if m is None:
+        return "unknown", message
+    if m.group("only"):
+        return "only_kernels", ""
+    if m.group("fp32"):
+        return "keep_fp32", ""
+    if m.group("more"):
+        return "more", ""
+    if m.group("stop"):
+        return "stop", ""
+    return m.group("verb").lower(), m.group("name").lower()
+
+
+def step_key(strategy: str, params: dict[str, Any]) -> str:
+    """How a tried step is remembered: the strategy and its parameters."""
+    return f"{strategy}{json.dumps(params, sort_keys=True) if params else ''}"
+
+
+def _menu(state: CrewState) -> list[PlanStep]:
+    """Every playbook step applicable to the task, in the order the playbook would try them."""
+    from kernelcrew.agents import playbook
+
+    analysis = playbook.TaskAnalysis(
+        (state.baseline or {}).get("analysis") or {}, task_source=state.task_source, task_path=state.task_path
+    )
+    arch = "cpu" if state.options.device == "cpu" else state.baseline.get("arch", "sm_90")
+    steps: list[PlanStep] = []
+    for strategy, reason in playbook.applicable(analysis):
+        configs = playbook.tuning_space(strategy.name, analysis, arch) or [{}]
+        if state.options.device == "cpu":
+            configs = configs[:1]  # CPU timings never drive a decision: one config is enough
+        gain = 2.0 if strategy.source_kind == "kernel" else 1.5
+        for params in configs:
+            steps.append(
+                PlanStep(
+                    strategy=strategy.name,
+                    rationale=reason,
+                    expected_gain=gain,
+                    params=params,
+                    source="playbook",
+                )
+            )
+    steps.sort(key=lambda s: 0 if playbook.STRATEGIES[s.strategy].source_kind == "kernel" else 1)
+    return steps
+
+
+def _guidance(state: CrewState) -> tuple[dict[str, Any], list[str]]:
+    """Fold every user message into preferences; answer the new ones."""
+    prefs: dict[str, Any] = {"only_kernels": False, "try": [], "skip": set(), "more": 0, "stop": False}
+    replies = []
+    for i, message in enumerate(state.user_messages):
+        action, arg = parse_guidance(message)
+        new = i >= state.answered
+        if action == "only_kernels":
+            prefs["only_kernels"] = True
+            reply = "Only own kernels from now on: no torch.compile candidates."
+        elif action == "keep_fp32":
+            reply = f"Precision stays {state.options.precision}: fp32 outputs are verified against fp32 thresholds."
+        elif action == "try":
+            prefs["try"].append(arg)
+            reply = f"Trying {arg} next if it applies to this module."
+        elif action == "skip":
+            prefs["skip"].add(arg)
+            reply = f"{arg} will not be tried."
+        elif action == "more":
+            prefs["more"] += 3
+            reply = "Three more steps."
+        elif action == "stop":
+            prefs["stop"] = True
+            reply = "Stopping: finishing with the best verified candidate."
+        else:
+            reply = (
+                "Without an LLM configured the playbook understands: only triton, keep fp32, try <strategy>, "
+                "skip <strategy>, more iterations, stop. Strategies for this module: "
+                + (", ".join(sorted({s.strategy for s in _menu(state)})) or "none")
+                + "."
+            )
+        if new:
+            replies.append(f"> {message}\n{reply}")
+    return prefs, replies
+
+
+def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
+    """Return the next step, or ``plan=None`` with a stop reason when there is none."""
+    ctx = runtime.context
+    prefs, replies = _guidance(state)
+    update: dict[str, Any] = {"answered": len(state.user_messages), "repairs": 0, "draft": None}
+    if replies:
+        update["replies"] = replies
+        for reply in replies:
+            ctx.emit("reply", message=reply)
+    if prefs["more"]:
+        opts = state.options
+        update["options"] = type(opts)(**{**opts.__dict__, "max_iters": opts.max_iters + prefs["more"]})
+    if prefs["stop"]:
+        return {**update, "plan": None, "stop_reason": "stopped by the user"}
+    if ctx.chat is not None:
+        step, problem = _plan_with_llm(state, ctx)
+        if step is None:  # counted as a failed step; decide goes on or stops by the budget
+            record = {"step": state.steps_used + 1, "strategy": "(plan)", "verdict": "fail", "stage": "plan"}
+            return {**update, "plan": None, "iterations": [{**record, "message": problem}]}
+    else:
+        step = _plan_with_playbook(state, prefs)
+    if step is None:
+        return {**update, "plan": None, "stop_reason": "no strategy left to try"}
+    ctx.emit("plan", strategy=step.strategy, params=step.params, rationale=step.rationale, source=step.source)
+    return {**update, "plan": step}
+
+
+def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | None:
+    from kernelcrew.agents import playbook
+
+    tried = set(state.tried)
+    menu = [
+        s
+        for s in _menu(state)
+        if step_key(s.strategy, s.params) not in tried
+        and s.strategy not in prefs["skip"]
+        and not (prefs["only_kernels"] and playbook.STRATEGIES[s.strategy].source_kind != "kernel")
+    ]
+    for wanted in prefs["try"]:
+        for s in menu:
+            if s.strategy == wanted:
+                return s
+    return menu[0] if menu else None
+
+
+def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None, str]:
+    from kernelcrew.agents.llm import LLMError, Message, extract_json
+    from kernelcrew.agents.prompts import render
+
+    menu = _menu(state)
+    best = state.best
+    messages = render(
+        "planner",
+        task_source=state.task_source,
+        best_source=best.source if best else "(none yet: the reference is the baseline)",
+        best_summary=json.dumps(best.summary(), default=str) if best else "none",
+        diagnosis=state.diagnosis or "none",
+        kb_hits="none yet",
+        strategies="\n".join(f"- {s.strategy} {json.dumps(s.params)}: {s.rationale}" for s in menu) or "none",
+        tried="\n".join(state.tried) or "none",
+        last_failure=_last_failure(state),
+        user_messages="\n".join(state.user_messages) or "none",
+        precision=state.options.precision,
+        device=state.options.device,
+    )
+    for attempt in range(2):
+        try:
+            completion = ctx.chat.complete(messages)
+        except LLMError as exc:
+            ctx.emit("error", node="plan", message=str(exc))
+            return None, f"the planner's model failed: {exc}"
+        if ctx.meter is not None:
+            ctx.meter.add(completion, "planner")
+        try:
+            data = extract_json(completion.text)
+            return PlanStep.model_validate({**data, "source": "llm"}), ""
+        except (ValueError, ValidationError) as exc:
+            problem = f"the planner's answer was invalid twice: {str(exc)[:300]}"
+            ctx.emit("invalid_plan", attempt=attempt + 1, message=str(exc)[:300])
+            messages = [
+                *messages,
+                Message("assistant", completion.text),
+                Message(
+                    "user",
+                    f"That answer was not valid ({str(exc)[:500]}). Reply with one JSON object with the keys "
+                    "strategy, rationale, expected_gain (a number > 0) and params.",
+                ),
+            ]
+    return None, problem
+
+
+def _last_failure(state: CrewState) -> str:
+    for record in reversed(state.iterations):
+        if record.get("failure"):
+            return json.dumps(record["failure"], default=str)[:3000]
+    return "none"

@@ -1,0 +1,174 @@
+"""The profiler agent: times the reference and each verified candidate, and says where time goes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from langgraph.runtime import Runtime
+
+from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.state import Candidate, CrewState
+from kernelcrew.task import TaskError
+
+
+def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
+    """Time eager and torch.compile, rank the reference's kernels, analyse its graph, diagnose."""
+    ctx = runtime.context
+    opts = state.options
+    started = state.started_at or time.time()
+    ctx.emit("node", node="profile_baseline", message="timing the reference and ranking its kernels")
+    hot = ctx.executor.profile(ctx.request(state))
+    bench = ctx.executor.benchmark(
+        ctx.request(state, candidates={}, compile_modes=list(opts.compile_modes), quick=opts.quick)
+    )
+    if bench.get("failure"):
+        raise TaskError(f"timing the reference failed: {bench['failure']['message']}", path=state.task_path)
+    results = bench.get("results", {})
+    compiled = {k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")}
+    analysis: dict[str, Any] = {}
+    if ctx.analyze is not None:
+        try:
+            analysis = ctx.analyze(state.task_source, state.task_path, opts.seed).to_dict()
+        except TaskError as exc:  # the graph analysis is a help, not a requirement: say why it is missing
+            analysis = {"traced": False, "trace_error": str(exc)}
+            ctx.emit("error", node="profile_baseline", message=f"graph analysis failed: {exc}")
+    baseline = {
+        "clock": bench.get("clock"),
+        "eager_ms": results.get("eager", {}).get("median_ms"),
+        "eager_spread_pct": results.get("eager", {}).get("spread_pct"),
+        "compile_ms": compiled,
+        "compile_s": bench.get("compile_s", {}),
+        "compile_errors": bench.get("compile_errors", {}),
+        "hardware": bench.get("hardware", {}),
+        "versions": bench.get("versions", {}),
+        "arch": (bench.get("hardware") or {}).get("arch", opts.device),
+        "hotspots": hot.get("hotspots", []),
+        "hotspot_clock": hot.get("clock"),
+        "analysis": analysis,
+    }
+    update: dict[str, Any] = {"baseline": baseline, "diagnosis": diagnose(baseline), "started_at": started}
+    if state.start_source:
+        update.update(_verify_start(state, ctx, baseline))
+    ctx.emit(
+        "baseline",
+        eager_ms=baseline["eager_ms"],
+        compile_ms=compiled,
+        clock=baseline["clock"],
+        hotspots=baseline["hotspots"][:3],
+    )
+    return update
+
+
+def diagnose(baseline: dict[str, Any], best: Candidate | None = None) -> str:
+    """A short reading for the planner: what dominates, what fusion is worth, where the best stands.
+
+    Rules only (the profiler issue adds Nsight Compute metrics and the roofline to it).
+    """
+    lines = []
+    hot = baseline.get("hotspots", [])
+    ops = (baseline.get("analysis") or {}).get("op_sequence") or []
+    if ops:
+        lines.append(
+            f"reference graph: {len(ops)} ops: {', '.join(ops[:12])}{' ...' if len(ops) > 12 else ''}"
+        )
+    if hot:
+        top = hot[0]
+        lines.append(
+            f"{len(hot)} distinct kernels/ops by {baseline.get('hotspot_clock')}; the top one, {top['name']}, "
+            f"takes {top['share']:.0%} of the time: a kernel replacing only it saves at most that much (Amdahl)"
+        )
+        if len(hot) >= 3 and top["share"] < 0.6:
+            lines.append(
+                "time is spread over several kernels: fusing them (one pass over memory) is the first lever"
+            )
+    eager = baseline.get("eager_ms")
+    compiled = baseline.get("compile_ms") or {}
+    if eager and compiled:
+        mode, best_compile = min(compiled.items(), key=lambda kv: kv[1])
+        lines.append(
+            f"eager {eager:.4g} ms; torch.compile ({mode}) {best_compile:.4g} ms = {eager / best_compile:.2f}x: "
+            + ("fusion pays here" if eager / best_compile > 1.2 else "the compiler finds little to fuse")
+        )
+    if baseline.get("clock") == "cpu-wall":
+        lines.append("timings are CPU wall clock (no GPU here): they do not drive decisions")
+    if best is not None and best.speedup_eager:
+        lines.append(f"best so far: {best.strategy} at {best.speedup_eager:.2f}x over eager ({best.kind})")
+    return "\n".join(lines) or "no profile available"
+
+
+def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
+    """Time the verified draft against eager, in one process, interleaved."""
+    draft = state.draft
+    if draft is None or draft.verdict != "pass":
+        raise ValueError("profile reached without a verified draft")
+    return {"draft": time_candidate(state, runtime.context, draft)}
+
+
+def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candidate:
+    """``cand`` with its time and speedup over eager (or failed, if a timed output was wrong)."""
+    bench = ctx.executor.benchmark(
+        ctx.request(state, candidates={cand.id: cand.source}, compile_modes=[], quick=state.options.quick)
+    )
+    timed = Candidate(**{**cand.__dict__})
+    if bench.get("failure"):
+        timed.verdict, timed.stage, timed.message = (
+            "fail",
+            bench["failure"]["stage"],
+            bench["failure"]["message"],
+        )
+        timed.failures = [bench["failure"], *timed.failures]
+        ctx.emit("timing", candidate=cand.id, verdict="fail", message=timed.message)
+        return timed
+    res = bench.get("results", {}).get(cand.id, {})
+    ratio = bench.get("ratios", {}).get(cand.id, {})
+    timed.time_ms = res.get("median_ms")
+    timed.speedup_eager = ratio.get("median")
+    timed.speedup_eager_ci = [ratio.get("ci_low"), ratio.get("ci_high")] if ratio else None
+    timed.significant = bool(ratio.get("significant"))
+    compiled = state.baseline.get("compile_ms") or {}
+    if compiled and timed.time_ms:
+        # An estimate against the baseline run's compile time; finalize times both in one process.
+        timed.speedup_compile = min(compiled.values()) / timed.time_ms
+    if bench.get("clock") == "cpu-wall":
+        timed.flags = [*timed.flags, "CPU timings (wall clock): not GPU speedups"]
+    ctx.emit(
+        "timing",
+        candidate=cand.id,
+        strategy=cand.strategy,
+        time_ms=timed.time_ms,
+        speedup_eager=timed.speedup_eager,
+        significant=timed.significant,
+        clock=bench.get("clock"),
+    )
+    return timed
+
+
+def _verify_start(state: CrewState, ctx: CrewContext, baseline: dict[str, Any]) -> dict[str, Any]:
+    """Verify and time the user's starting kernel: the best to branch from, if it passes."""
+    from kernelcrew.tools.build import detect_source_kind
+
+    kinds = detect_source_kind(state.start_source or "")
+    start = Candidate(
+        id="start",
+        strategy="start",
+        source_kind="compiler" if kinds.get("compiler") else "kernel",
+        source=state.start_source or "",
+    )
+    verdict = ctx.executor.verify(
+        ctx.request(state, candidate_source=start.source, candidate_path="start.py")
+    )
+    start.verdict, start.stage, start.message = verdict["verdict"], verdict["stage"], verdict["message"]
+    start.kind, start.failures, start.flags = (
+        verdict.get("kind"),
+        verdict.get("failures", []),
+        verdict.get("flags", []),
+    )
+    ctx.emit("verify", candidate="start", verdict=start.verdict, stage=start.stage, message=start.message)
+    record: dict[str, Any] = {"step": 0, **start.summary(), "new_best": False}
+    if start.verdict != "pass":
+        return {"iterations": [record]}
+    timed = time_candidate(replace(state, baseline=baseline), ctx, start)
+    record.update(timed.summary(), new_best=timed.verdict == "pass")
+    return {"iterations": [record], "best": timed if timed.verdict == "pass" else None}

@@ -1,0 +1,204 @@
+"""Finalize: time the best against eager and torch.compile once more, then write the report.
+
+Writes ``best.py``, ``report.json`` and ``report.md`` into the run's output directory. The final
+numbers come from one interleaved benchmark of the best candidate, eager and every requested
+``torch.compile`` mode in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from langgraph.runtime import Runtime
+
+from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.state import CrewState
+
+
+def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
+    """Final timing of the best candidate, the report (JSON and markdown) and ``best.py``."""
+    ctx = runtime.context
+    opts = state.options
+    best = state.best
+    final: dict[str, Any] = {}
+    if best is not None:
+        bench = ctx.executor.benchmark(
+            ctx.request(
+                state,
+                candidates={best.id: best.source},
+                compile_modes=list(opts.compile_modes),
+                quick=opts.quick,
+            )
+        )
+        results = bench.get("results", {})
+        ratios = bench.get("ratios", {})
+        compiled = {
+            k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")
+        }
+        best_ms = results.get(best.id, {}).get("median_ms")
+        final = {
+            "clock": bench.get("clock"),
+            "eager_ms": results.get("eager", {}).get("median_ms"),
+            "compile_ms": compiled,
+            "best_ms": best_ms,
+            "speedup_eager": ratios.get(best.id, {}).get("median"),
+            "speedup_eager_ci": [
+                ratios.get(best.id, {}).get("ci_low"),
+                ratios.get(best.id, {}).get("ci_high"),
+            ],
+            "significant": ratios.get(best.id, {}).get("significant"),
+            "speedup_compile": (min(compiled.values()) / best_ms) if compiled and best_ms else None,
+            "failure": bench.get("failure"),
+        }
+    report = build_report(state, final, ctx)
+    if ctx.out_dir is not None:
+        write_report(ctx.out_dir, report, best.source if best else None)
+    ctx.emit("done", status=report["status"], stop_reason=state.stop_reason, best=report["best"])
+    return {"report": report, "status": report["status"]}
+
+
+def build_report(state: CrewState, final: dict[str, Any], ctx: CrewContext) -> dict[str, Any]:
+    opts = state.options
+    base = state.baseline
+    best = state.best
+    hardware = base.get("hardware") or {}
+    if best is None:
+        verified = any(it.get("verdict") == "pass" for it in state.iterations)
+        status = "no_significant_gain" if verified else "no_verified_candidate"
+    elif opts.device == "cpu":
+        status = "verified_cpu_only"
+    elif final.get("significant"):
+        status = "improved"
+    else:
+        status = "no_significant_gain"
+    cmd = ["kernelcrew", "optimize", state.task_path, "--device", opts.device, "--precision", opts.precision]
+    cmd += ["--backend", opts.backend, "--max-iters", str(opts.max_iters), "--seed", str(opts.seed)]
+    if opts.model:
+        cmd += ["--model", opts.model]
+    return {
+        "run_id": ctx.run_id,
+        "status": status,
+        "stop_reason": state.stop_reason,
+        "task": state.task_path,
+        "device": opts.device,
+        "gpu_model": hardware.get("model"),
+        "gpu_name": hardware.get("name"),
+        "arch": hardware.get("arch"),
+        "versions": base.get("versions"),
+        "precision": opts.precision,
+        "backend": opts.backend,
+        "model": opts.model or None,
+        "seed": opts.seed,
+        "scope": "forward only (no backward kernels)",
+        "clock": base.get("clock"),
+        "timings_note": "CPU wall-clock timings (Triton interpreter): not GPU speedups"
+        if base.get("clock") == "cpu-wall"
+        else "CUDA-event medians, interleaved, L2 flushed",
+        "baseline": {
+            "eager_ms": base.get("eager_ms"),
+            "compile_ms": base.get("compile_ms"),
+            "compile_s": base.get("compile_s"),
+            "hotspots": base.get("hotspots", [])[:5],
+        },
+        "best": None
+        if best is None
+        else {
+            "id": best.id,
+            "strategy": best.strategy,
+            "params": best.params,
+            "kind": best.kind,
+            "source_kind": best.source_kind,
+            "flags": best.flags,
+            **final,
+        },
+        "iterations": state.iterations,
+        "replies": state.replies,
+        "usage": state.usage or {"calls": 0, "note": "offline playbook: no LLM tokens"},
+        "elapsed_s": state.elapsed_s,
+        "reproduce": shlex.join(cmd),
+    }
+
+
+def write_report(out_dir: Path, report: dict[str, Any], best_source: str | None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "report.md").write_text(render_markdown(report))
+    if best_source is not None:
+        (out_dir / "best.py").write_text(best_source)
+    elif (out_dir / "best.py").exists():
+        (out_dir / "best.py").unlink()
+
+
+def _ms(v: Any) -> str:
+    return "-" if v is None else f"{v:.4g} ms"
+
+
+def _x(v: Any) -> str:
+    return "-" if v is None else f"{v:.3g}x"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    best = report["best"]
+    base = report["baseline"]
+    lines = [
+        f"# kernelcrew report: {report['task']}",
+        "",
+        f"Status: **{report['status']}** ({report['stop_reason']}). Device: {report['device']}"
+        + (f" ({report['gpu_name']}, {report['arch']})" if report.get("gpu_name") else "")
+        + f"; precision {report['precision']}; backend {report['backend']}. {report['scope']}.",
+        f"Timings: {report['timings_note']}.",
+        "",
+        "| | time | speedup |",
+        "|---|---|---|",
+        f"| eager | {_ms(base['eager_ms'])} | 1x |",
+    ]
+    for mode, ms in (base.get("compile_ms") or {}).items():
+        lines.append(
+            f"| torch.compile ({mode}) | {_ms(ms)} | {_x(base['eager_ms'] / ms if base['eager_ms'] and ms else None)} |"
+        )
+    if best:
+        ci = best.get("speedup_eager_ci") or [None, None]
+        ci_text = f" [{ci[0]:.3g}, {ci[1]:.3g}]" if None not in ci else ""
+        lines.append(
+            f"| best: {best['strategy']} ({best['kind']}) | {_ms(best.get('best_ms'))} | "
+            f"{_x(best.get('speedup_eager'))}{ci_text} vs eager, {_x(best.get('speedup_compile'))} vs compile |"
+        )
+    else:
+        lines.append(
+            "| best | - | "
+            + (
+                "candidates passed verification, none was significantly faster than eager |"
+                if report["status"] == "no_significant_gain"
+                else "no candidate passed verification |"
+            )
+        )
+    lines += [
+        "",
+        "## Steps",
+        "",
+        "| step | strategy | verdict | stage | time | speedup | new best |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for it in report["iterations"]:
+        lines.append(
+            f"| {it.get('step')} | {it.get('strategy')} {json.dumps(it.get('params') or {})} | {it.get('verdict')} | "
+            f"{it.get('stage')} | {_ms(it.get('time_ms'))} | {_x(it.get('speedup_eager'))} | {it.get('new_best')} |"
+        )
+    failures = [it for it in report["iterations"] if it.get("verdict") == "fail"]
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += [f"- step {it.get('step')} ({it.get('strategy')}): {it.get('message')}" for it in failures]
+    if report.get("replies"):
+        lines += ["", "## Conversation", "", *report["replies"]]
+    usage = report.get("usage") or {}
+    lines += [
+        "",
+        f"LLM usage: {usage.get('calls', 0)} calls, {usage.get('input_tokens', 0)} input and "
+        f"{usage.get('output_tokens', 0)} output tokens, cost {usage.get('cost_usd', 'n/a')}.",
+        f"Wall time: {report['elapsed_s']} s. Reproduce: `{report['reproduce']}`",
+        "",
+    ]
+    return "\n".join(lines)

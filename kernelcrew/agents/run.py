@@ -1,0 +1,252 @@
+"""Drive one optimization run: build its context, start or resume its graph, show its progress.
+
+Used by ``kernelcrew optimize``; runs live in ``<data_dir>/runs/<run id>/`` and their checkpoints
+in ``<data_dir>/checkpoints.sqlite`` (thread id = run id), so an interrupted run resumes where it
+stopped and a finished one continues with a message and a new budget (it re-enters at ``plan``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.graph import compile_graph, sqlite_checkpointer
+from kernelcrew.agents.state import CrewState, Options
+from kernelcrew.config import Settings, get_settings
+from kernelcrew.task import TaskError, check_source, read_source
+
+
+@dataclass
+class OptimizeRequest:
+    """What ``kernelcrew optimize`` was asked (``device=None`` on resume: keep the run's)."""
+
+    task: Path | None = None
+    backend: str = "auto"
+    model: str = ""
+    max_iters: int = 6
+    time_budget_s: float = 900.0
+    device: str | None = "cpu"
+    precision: str = "strict"
+    start: Path | None = None
+    out: Path | None = None
+    chat: bool = False
+    resume: str | None = None
+    messages: list[str] = field(default_factory=list)
+    local_only: bool = False
+    seed: int | None = None
+    compile_modes: str = "auto"
+    quick: bool = False
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def resolve_chat(backend: str, model: str, local_only: bool, settings: Settings) -> tuple[Any, str, str]:
+    """(chat model or None, backend name, note). ``local_only`` keeps sources off external providers."""
+    from kernelcrew.agents.llm import resolve_chat_model
+
+    chat = resolve_chat_model(settings, backend=None if backend == "auto" else backend, model=model or None)
+    if chat is None:
+        return None, "playbook", ""
+    name = chat.provider
+    if local_only and not _is_local(settings.llm_base_url):
+        return (
+            None,
+            "playbook",
+            f"--local-only: the {name} provider is external; the offline playbook plans instead",
+        )
+    return chat, name, ""
+
+
+def _is_local(base_url: str) -> bool:
+    from urllib.parse import urlparse
+
+    host = urlparse(base_url).hostname or ""
+    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
+
+
+def run_optimize(
+    req: OptimizeRequest,
+    *,
+    console: Console | None = None,
+    ask: Callable[[int], str] | None = None,
+    settings: Settings | None = None,
+    executor: Any = None,
+    chat: Any = None,
+) -> dict[str, Any] | None:
+    """Start or continue a run and return its report (``None`` if it ended without one).
+
+    ``executor`` and ``chat`` are injectable (tests, the service); by default a LocalExecutor and
+    the provider the settings name.
+    """
+    from kernelcrew.agents.llm import UsageMeter
+    from kernelcrew.agents.playbook import analyze
+    from kernelcrew.tools.executor import LocalExecutor
+
+    s = settings or get_settings()
+    out = console or Console(stderr=True)
+    run_id = req.resume or new_run_id()
+    run_dir = s.data_dir / "runs" / run_id
+    graph = compile_graph(
+        sqlite_checkpointer(s.data_dir / "checkpoints.sqlite"), pause_before_plan=ask is not None
+    )
+    config = {"configurable": {"thread_id": run_id}, "recursion_limit": 500}
+    snapshot = graph.get_state(config)
+
+    if req.resume and not snapshot.values:
+        raise TaskError(f"no run with id {req.resume!r} in {s.data_dir / 'checkpoints.sqlite'}")
+    if chat is None:
+        chat, backend, note = resolve_chat(req.backend, req.model, req.local_only, s)
+    else:
+        backend, note = getattr(chat, "provider", "injected"), ""
+    if note:
+        out.print(f"[yellow]{note}[/]")
+    meter = UsageMeter.from_dict(snapshot.values.get("usage") or {}) if snapshot.values else UsageMeter()
+    ctx = CrewContext(
+        executor=executor or LocalExecutor(s),
+        chat=chat,
+        meter=meter,
+        out_dir=req.out or run_dir,
+        run_id=run_id,
+        on_event=_printer(out),
+        analyze=lambda source, path, seed: analyze(source, path, seed=seed, settings=s),
+    )
+
+    try:
+        if not snapshot.values:
+            state = _new_state(req, backend, s)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "task.py").write_text(state.task_source)
+            out.print(f"run [bold]{run_id}[/] on {state.options.device} with the {backend} backend")
+            graph.invoke(state, config, context=ctx)
+        else:
+            values = snapshot.values
+            if snapshot.next:
+                out.print(f"resuming run [bold]{run_id}[/] at {', '.join(snapshot.next)}")
+                if req.messages:
+                    graph.update_state(config, {"user_messages": [*values["user_messages"], *req.messages]})
+                graph.invoke(None, config, context=ctx)
+            else:
+                opts: Options = values["options"]
+                extra = req.max_iters if req.max_iters else 3
+                new_opts = replace(opts, max_iters=values["steps_used"] + extra)
+                out.print(f"continuing finished run [bold]{run_id}[/] for {extra} more steps")
+                graph.update_state(
+                    config,
+                    {
+                        "user_messages": [*values["user_messages"], *req.messages],
+                        "options": new_opts,
+                        "stop_reason": "",
+                        "status": "running",
+                        "started_at": time.time() - values.get("elapsed_s", 0.0),
+                    },
+                    as_node="decide",
+                )
+                graph.invoke(None, config, context=ctx)
+        while ask is not None and graph.get_state(config).next:
+            _chat_turn(graph, config, ctx, ask)
+    finally:
+        ctx.executor.close()
+    final = graph.get_state(config).values
+    report = final.get("report") or None
+    if report:
+        where = ctx.out_dir
+        out.print(f"[bold]{report['status']}[/]: {report['stop_reason']}. Report: {where}/report.md")
+    return report
+
+
+def _chat_turn(graph: Any, config: dict[str, Any], ctx: CrewContext, ask: Callable[[int], str]) -> None:
+    values = graph.get_state(config).values
+    message = ask(values["steps_used"] + 1).strip()
+    if message:
+        graph.update_state(config, {"user_messages": [*values["user_messages"], message]})
+    graph.invoke(None, config, context=ctx)
+
+
+def _parse_modes(spec: str, device: str) -> list[str]:
+    from kernelcrew.tools.timing import parse_compile_modes
+
+    try:
+        return parse_compile_modes(spec, device)
+    except ValueError as exc:
+        raise TaskError(str(exc)) from exc
+
+
+def _new_state(req: OptimizeRequest, backend: str, s: Settings) -> CrewState:
+    if req.task is None:
+        raise TaskError("a task file is needed (or --resume RUN_ID)")
+    source = read_source(req.task)
+    check_source(source, "task", str(req.task))
+    start_source = None
+    if req.start is not None:
+        start_source = read_source(req.start)
+        check_source(start_source, "candidate", str(req.start))
+    device = req.device or "cpu"
+    opts = Options(
+        device=device,
+        precision=req.precision,
+        backend=backend,
+        model=req.model,
+        max_iters=req.max_iters,
+        time_budget_s=req.time_budget_s,
+        seed=secrets.randbits(31) if req.seed is None else req.seed,
+        compile_modes=_parse_modes(req.compile_modes, device),
+        quick=req.quick,
+    )
+    return CrewState(
+        task_source=source,
+        task_path=str(req.task),
+        options=opts,
+        start_source=start_source,
+        user_messages=list(req.messages),
+        started_at=time.time(),
+    )
+
+
+def _printer(console: Console) -> Callable[[dict[str, Any]], None]:
+    """The progress view: one line per event."""
+
+    def show(event: dict[str, Any]) -> None:
+        kind = event["kind"]
+        if kind == "baseline":
+            comp = ", ".join(f"{k} {v:.4g} ms" for k, v in (event.get("compile_ms") or {}).items()) or "-"
+            console.print(
+                f"baseline: eager {event['eager_ms']:.4g} ms; torch.compile {comp} ({event['clock']})"
+            )
+        elif kind == "plan":
+            console.print(
+                f"plan: [cyan]{event['strategy']}[/] {event.get('params') or ''} ({event['source']})"
+            )
+        elif kind == "verify":
+            color = "green" if event["verdict"] == "pass" else "red"
+            console.print(
+                f"verify {event['candidate']}: [{color}]{event['verdict']}[/] ({event['stage']}) {event['message'][:160]}"
+            )
+        elif kind == "timing" and event.get("time_ms") is not None:
+            console.print(
+                f"timing {event['candidate']}: {event['time_ms']:.4g} ms, {event['speedup_eager']:.3g}x over eager"
+                + (" (significant)" if event.get("significant") else "")
+                + (" [CPU]" if event.get("clock") == "cpu-wall" else "")
+            )
+        elif kind == "decide":
+            console.print(
+                f"step {event['step']}: {event['verdict']}"
+                + (" [bold green]new best[/]" if event["new_best"] else "")
+            )
+        elif kind == "reply":
+            console.print(f"[magenta]crew:[/] {event['message']}")
+        elif kind in ("error", "invalid_plan"):
+            console.print(f"[yellow]{kind}:[/] {event.get('message')}")
+        elif kind == "node":
+            console.print(f"{event['node']}: {event['message']}")
+
+    return show

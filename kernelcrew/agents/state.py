@@ -1,0 +1,109 @@
+"""The crew's typed state: compact (best candidate, last diagnosis, ideas tried), never a chat log."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field
+
+
+class PlanStep(BaseModel):
+    """One next step, as the planner returns it (validated: an invalid answer is re-asked)."""
+
+    strategy: str = Field(min_length=1, max_length=80, description="A playbook strategy or custom:<name>.")
+    rationale: str = Field(min_length=1, max_length=2000)
+    expected_gain: float = Field(gt=0, le=1000, description="Expected speedup of this step (1.3 = 30%).")
+    params: dict[str, Any] = Field(default_factory=dict)
+    source: str = Field("playbook", description="Who proposed it: playbook or llm.")
+
+
+@dataclass
+class Options:
+    """What the user asked for; fixed for a run except the budget, which a continuation extends."""
+
+    device: str = "cpu"
+    precision: str = "strict"
+    backend: str = "playbook"
+    model: str = ""
+    max_iters: int = 6
+    time_budget_s: float = 900.0
+    max_repairs: int = 2
+    patience: int = 3
+    local_only: bool = False
+    seed: int = 0
+    compile_modes: list[str] = field(default_factory=list)
+    quick: bool = False
+
+
+@dataclass
+class Candidate:
+    """A candidate the crew produced, with what the verifier and the profiler said of it."""
+
+    id: str
+    strategy: str
+    source_kind: str
+    source: str
+    params: dict[str, Any] = field(default_factory=dict)
+    verdict: str = "pending"
+    stage: str = ""
+    message: str = ""
+    kind: str | None = None
+    time_ms: float | None = None
+    speedup_eager: float | None = None
+    speedup_eager_ci: list[float] | None = None
+    speedup_compile: float | None = None
+    significant: bool = False
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the source (what an iteration record keeps)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("source", "failures")} | {
+            "failure": self.failures[0] if self.failures else None
+        }
+
+
+@dataclass
+class CrewState:
+    """The state of one optimization run (thread id = run id)."""
+
+    task_source: str
+    """The task file's text (KernelBench format)."""
+    task_path: str = "task.py"
+    options: Options = field(default_factory=Options)
+    start_source: str | None = None
+    """A user's kernel to start from (``--start``), verified before anything builds on it."""
+    baseline: dict[str, Any] = field(default_factory=dict)
+    """Eager and torch.compile timings, hotspots and the graph analysis of the reference."""
+    diagnosis: str = ""
+    """The profiler's latest reading of where time goes, for the planner."""
+    plan: PlanStep | None = None
+    draft: Candidate | None = None
+    """The candidate of the current step, between code, verify and profile."""
+    repairs: int = 0
+    """Repairs spent on the current step."""
+    repair: bool = False
+    """Whether the coder repairs the failed draft next (set by the verifier)."""
+    best: Candidate | None = None
+    """The best verified candidate so far; the coder branches from it."""
+    tried: list[str] = field(default_factory=list)
+    """Strategies (with their parameters) already tried, whatever came of them."""
+    iterations: Annotated[list[dict[str, Any]], operator.add] = field(default_factory=list)
+    """One compact record per finished step (no sources)."""
+    user_messages: list[str] = field(default_factory=list)
+    """The user's guidance, in order; each is answered once (``answered``)."""
+    answered: int = 0
+    replies: Annotated[list[str], operator.add] = field(default_factory=list)
+    """The crew's answers to the user's messages."""
+    steps_used: int = 0
+    since_gain: int = 0
+    """Steps since the best candidate last improved beyond noise."""
+    started_at: float = 0.0
+    elapsed_s: float = 0.0
+    usage: dict[str, Any] = field(default_factory=dict)
+    """Tokens and cost per agent (an LLM UsageMeter as a dict)."""
+    stop_reason: str = ""
+    status: str = "running"
+    report: dict[str, Any] = field(default_factory=dict)

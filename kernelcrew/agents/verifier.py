@@ -1,0 +1,46 @@
+"""The verifier agent: tools only, no LLM verdict. Build, anti-cheat, correctness; pass or a failure."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from langgraph.runtime import Runtime
+
+from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.state import Candidate, CrewState
+
+
+def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
+    """Run the verification protocol on the draft through the executor."""
+    ctx = runtime.context
+    draft = state.draft
+    if draft is None:
+        raise ValueError("verify reached without a draft")
+    verdict = ctx.executor.verify(
+        ctx.request(state, candidate_source=draft.source, candidate_path=f"{draft.id}.py")
+    )
+    checked = Candidate(
+        **{
+            **draft.__dict__,
+            "verdict": verdict["verdict"],
+            "stage": verdict["stage"],
+            "message": verdict["message"],
+            "kind": verdict.get("kind"),
+            "failures": verdict.get("failures", []),
+            "flags": verdict.get("flags", []),
+        }
+    )
+    ctx.emit(
+        "verify", candidate=draft.id, verdict=checked.verdict, stage=checked.stage, message=checked.message
+    )
+    repair = checked.verdict != "pass" and state.repairs < state.options.max_repairs and ctx.chat is not None
+    return {"draft": checked, "repair": repair, "repairs": state.repairs + int(repair)}
+
+
+def route_after_verify(state: CrewState) -> Literal["profile", "code", "decide"]:
+    """A pass is profiled; a failure goes back to the coder while repairs remain (with an LLM)."""
+    if state.draft is None:
+        raise ValueError("no draft after verify")
+    if state.draft.verdict == "pass":
+        return "profile"
+    return "code" if state.repair else "decide"

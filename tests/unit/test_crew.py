@@ -1,0 +1,232 @@
+"""The crew end to end on CPU: playbook and replayed-LLM runs, repairs, resume, continuation, chat."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kernelcrew.agents.decide import is_better
+from kernelcrew.agents.llm import ReplayChat
+from kernelcrew.agents.planner import parse_guidance
+from kernelcrew.agents.run import OptimizeRequest, run_optimize
+from kernelcrew.agents.state import Candidate
+from kernelcrew.config import Settings
+from kernelcrew.tools.correctness import verify
+from tests.conftest import FIXTURES
+
+POINTWISE = FIXTURES / "tasks" / "pointwise.py"
+GOOD = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    return Settings(data_dir=tmp_path / "data")
+
+
+def request(**kw) -> OptimizeRequest:
+    base = dict(
+        task=POINTWISE, device="cpu", max_iters=2, quick=True, compile_modes="none", backend="playbook"
+    )
+    return OptimizeRequest(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def playbook_run(tmp_path_factory):
+    """One playbook run shared by the tests that read its outputs."""
+    root = tmp_path_factory.mktemp("crew")
+    s = Settings(data_dir=root / "data")
+    report = run_optimize(request(out=root / "out"), settings=s)
+    return report, root / "out", s
+
+
+def test_playbook_run_returns_a_verified_own_kernel(playbook_run):
+    report, out, _ = playbook_run
+    assert report["status"] == "verified_cpu_only"
+    assert report["best"]["strategy"] == "fused_pointwise" and report["best"]["kind"] == "kernel"
+    strategies = [it["strategy"] for it in report["iterations"]]
+    assert strategies[0] == "fused_pointwise" and len(strategies) == 2
+    assert len(set(strategies)) == 2, "the planner never repeats a step"
+    assert all(it["verdict"] == "pass" for it in report["iterations"])
+    compiled = [it for it in report["iterations"] if it["strategy"].startswith("torch_compile")]
+    assert compiled and compiled[0]["kind"] == "compiler"
+    assert "CPU wall-clock" in report["timings_note"]
+    assert report["reproduce"].startswith("kernelcrew optimize")
+    for name in ("best.py", "report.md", "report.json"):
+        assert (out / name).exists()
+    assert json.loads((out / "report.json").read_text())["run_id"] == report["run_id"]
+    assert "fused_pointwise" in (out / "report.md").read_text()
+
+
+def test_best_py_passes_the_verifier_again(playbook_run):
+    _, out, _ = playbook_run
+    verdict = verify(POINTWISE.read_text(), (out / "best.py").read_text())
+    assert verdict.passed and verdict.kind == "kernel"
+
+
+def test_finished_run_continues_with_a_message(playbook_run):
+    report, out, s = playbook_run
+    again = run_optimize(
+        request(
+            task=None,
+            resume=report["run_id"],
+            messages=["skip torch_compile_max_autotune"],
+            max_iters=1,
+            out=out,
+        ),
+        settings=s,
+    )
+    assert again["run_id"] == report["run_id"]
+    assert any("torch_compile_max_autotune will not be tried" in r for r in again["replies"])
+    assert again["stop_reason"] == "no strategy left to try"
+    assert len(again["iterations"]) == 2, "no step was repeated"
+
+
+def test_unknown_guidance_is_answered_with_what_the_playbook_can_do(settings, tmp_path):
+    report = run_optimize(
+        request(messages=["make it go brrr"], max_iters=1, out=tmp_path / "o"), settings=settings
+    )
+    reply = report["replies"][0]
+    assert "make it go brrr" in reply and "fused_pointwise" in reply and "skip <strategy>" in reply
+
+
+def test_chat_stop_ends_the_run_before_any_step(settings, tmp_path):
+    asked = []
+
+    def ask(step: int) -> str:
+        asked.append(step)
+        return "stop"
+
+    report = run_optimize(request(out=tmp_path / "o"), settings=settings, ask=ask)
+    assert asked == [1]
+    assert report["stop_reason"] == "stopped by the user" and report["best"] is None
+    assert report["status"] == "no_verified_candidate"
+
+
+def test_replayed_llm_plan_is_reasked_and_a_failing_candidate_is_repaired(settings, tmp_path):
+    zeros = GOOD.replace("return out", "return torch.zeros_like(out)")
+    assert zeros != GOOD
+    wrong_shape = GOOD.replace("return out", "return out[..., :-1]")
+    plan = {"strategy": "custom:fused_tanh", "rationale": "one pass", "expected_gain": 2.0, "params": {}}
+    chat = ReplayChat(
+        [
+            "Let me think about it.",  # not JSON: re-asked
+            json.dumps(plan),
+            f"```python\n{zeros}\n```",
+            f"```python\n{wrong_shape}\n```",
+            f"```python\n{GOOD}\n```",
+        ]
+    )
+    report = run_optimize(request(max_iters=1, out=tmp_path / "o"), settings=settings, chat=chat)
+    step = report["iterations"][0]
+    assert step["strategy"] == "custom:fused_tanh"
+    assert step["verdict"] == "pass" and step["repairs"] == 2
+    assert report["best"]["kind"] == "kernel"
+    # The repair prompts carried the verifier's structured failures.
+    repair_prompts = [m[-1].content for m in chat.sent[3:]]
+    assert '"stage": "correctness"' in repair_prompts[0]
+    assert '"stage": "shape"' in repair_prompts[1]
+    assert report["usage"]["calls"] == 5
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    env = {**os.environ, "KERNELCREW_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "kernelcrew",
+        "optimize",
+        str(POINTWISE),
+        "--device",
+        "cpu",
+        "--max-iters",
+        "2",
+    ]
+    cmd += ["--quick", "--compile-modes", "none", "--backend", "playbook", "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    run_id, seen = None, []
+    deadline = time.monotonic() + 300
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        seen.append(line)
+        if m := re.search(r"run (\S+) on cpu", line):
+            run_id = m.group(1)
+        if "verify c1" in line:
+            os.killpg(proc.pid, signal.SIGKILL)  # mid-run: after the first verification
+            break
+        assert time.monotonic() < deadline, "".join(seen)
+    proc.wait(timeout=60)
+    assert run_id and proc.returncode == -signal.SIGKILL, "".join(seen)
+    assert not (tmp_path / "out" / "report.json").exists()
+
+    report = run_optimize(
+        request(task=None, resume=run_id, device=None, out=tmp_path / "out"),
+        settings=Settings(data_dir=tmp_path / "data"),
+    )
+    assert report["run_id"] == run_id
+    assert [it["step"] for it in report["iterations"]] == [1, 2]
+    assert report["iterations"][0]["verdict"] == "pass"
+
+
+def test_resume_of_an_unknown_run_is_a_clear_error(settings):
+    from kernelcrew.task import TaskError
+
+    with pytest.raises(TaskError, match="no run with id"):
+        run_optimize(request(task=None, resume="nope"), settings=settings)
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("only triton", ("only_kernels", "")),
+        ("Keep FP32", ("keep_fp32", "")),
+        ("try torch_compile", ("try", "torch_compile")),
+        ("skip fused_pointwise.", ("skip", "fused_pointwise")),
+        ("more iterations", ("more", "")),
+        ("stop", ("stop", "")),
+        ("please be fast", ("unknown", "please be fast")),
+    ],
+)
+def test_guidance_grammar(message, expected):
+    assert parse_guidance(message) == expected
+
+
+def _cand(**kw) -> Candidate:
+    return Candidate(
+        **{"id": "c", "strategy": "s", "source_kind": "kernel", "source": "", "verdict": "pass", **kw}
+    )
+
+
+def test_a_gain_counts_only_when_significant_and_beyond_noise():
+    best = _cand(time_ms=1.0, significant=True)
+    assert not is_better(_cand(time_ms=0.5, significant=False), None, "cuda")
+    assert is_better(_cand(time_ms=0.5, significant=True), None, "cuda")
+    assert not is_better(_cand(time_ms=0.99, significant=True), best, "cuda"), "1% is within noise"
+    assert is_better(_cand(time_ms=0.9, significant=True), best, "cuda")
+    assert not is_better(_cand(verdict="fail", time_ms=0.1, significant=True), best, "cuda")
+    # On a CPU, timings never decide: the first verified candidate stays unless an own kernel comes.
+    assert is_better(_cand(kind="compiler"), None, "cpu")
+    assert not is_better(_cand(kind="compiler", time_ms=0.001), _cand(kind="kernel", time_ms=9.0), "cpu")
+    assert is_better(_cand(kind="kernel"), _cand(kind="compiler"), "cpu")
+
+
+def test_status_says_verified_but_not_faster_apart_from_nothing_verified():
+    from types import SimpleNamespace
+
+    from kernelcrew.agents.report import build_report
+    from kernelcrew.agents.state import CrewState, Options
+
+    ctx = SimpleNamespace(run_id="r")
+    opts = Options(device="cuda")
+    slower = CrewState(
+        task_source="", options=opts, iterations=[{"step": 1, "verdict": "pass", "new_best": False}]
+    )
+    assert build_report(slower, {}, ctx)["status"] == "no_significant_gain"
+    failed = CrewState(task_source="", options=opts, iterations=[{"step": 1, "verdict": "fail"}])
+    assert build_report(failed, {}, ctx)["status"] == "no_verified_candidate"
