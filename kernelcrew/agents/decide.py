@@ -74,9 +74,6 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             verdict=record.get("verdict"),
             new_best=gained,
         )
-    elif state.iterations and state.iterations[-1].get("stage") == "plan":
-        steps += 1  # a failed planning step (its record was written by the planner)
-        since_gain += 1
     elapsed = time.time() - state.started_at if state.started_at else 0.0
     stop = state.stop_reason
     max_iters = opts.max_iters

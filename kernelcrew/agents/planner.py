@@ -139,7 +139,13 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         step, problem = _plan_with_llm(state, ctx)
         if step is None:  # counted as a failed step; decide goes on or stops by the budget
             record = {"step": state.steps_used + 1, "strategy": "(plan)", "verdict": "fail", "stage": "plan"}
-            return {**update, "plan": None, "iterations": [{**record, "message": problem}]}
+            return {
+                **update,
+                "plan": None,
+                "iterations": [{**record, "message": problem}],
+                "steps_used": state.steps_used + 1,
+                "since_gain": state.since_gain + 1,
+            }
     else:
         step = _plan_with_playbook(state, prefs)
     if step is None:

@@ -230,3 +230,13 @@ def test_status_says_verified_but_not_faster_apart_from_nothing_verified():
     assert build_report(slower, {}, ctx)["status"] == "no_significant_gain"
     failed = CrewState(task_source="", options=opts, iterations=[{"step": 1, "verdict": "fail"}])
     assert build_report(failed, {}, ctx)["status"] == "no_verified_candidate"
+
+
+def test_a_plan_the_model_fails_twice_counts_as_one_failed_step(settings, tmp_path):
+    chat = ReplayChat(["no json here", "still none", "nor here", "nothing"])
+    report = run_optimize(request(max_iters=2, out=tmp_path / "o"), settings=settings, chat=chat)
+    steps = report["iterations"]
+    assert [s["stage"] for s in steps] == ["plan", "plan"]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert report["stop_reason"] == "iteration budget reached (2)"
+    assert report["usage"]["calls"] == 4
