@@ -240,3 +240,17 @@ def test_a_plan_the_model_fails_twice_counts_as_one_failed_step(settings, tmp_pa
     assert [s["step"] for s in steps] == [1, 2]
     assert report["stop_reason"] == "iteration budget reached (2)"
     assert report["usage"]["calls"] == 4
+
+
+def test_local_only_keeps_sources_off_external_providers(monkeypatch):
+    from kernelcrew.agents.run import resolve_chat
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    external = Settings()
+    chat, backend, note = resolve_chat("openai", "", True, external)
+    assert chat is None and backend == "playbook" and "external" in note
+    chat, backend, _ = resolve_chat("openai", "", False, external)
+    assert chat is not None and backend == "openai"
+    local = Settings(llm_base_url="http://127.0.0.1:8000/v1")
+    chat, backend, note = resolve_chat("openai", "", True, local)
+    assert chat is not None and backend == "openai" and not note
