@@ -254,3 +254,38 @@ def test_local_only_keeps_sources_off_external_providers(monkeypatch):
     local = Settings(llm_base_url="http://127.0.0.1:8000/v1")
     chat, backend, note = resolve_chat("openai", "", True, local)
     assert chat is not None and backend == "openai" and not note
+
+
+def test_report_table_takes_eager_and_compile_from_the_final_measurement():
+    from kernelcrew.agents.report import render_markdown
+
+    report = {
+        "task": "t.py",
+        "status": "improved",
+        "stop_reason": "done",
+        "device": "cuda",
+        "gpu_name": "H100",
+        "arch": "sm_90",
+        "precision": "strict",
+        "backend": "playbook",
+        "scope": "forward only",
+        "timings_note": "CUDA events",
+        "baseline": {"eager_ms": 9.0, "compile_ms": {"default": 3.0}},
+        "best": {
+            "strategy": "fused_pointwise",
+            "kind": "kernel",
+            "eager_ms": 2.0,
+            "compile_ms": {"default": 1.0},
+            "best_ms": 0.5,
+            "speedup_eager": 4.0,
+            "speedup_eager_ci": [3.9, 4.1],
+            "speedup_compile": 2.0,
+        },
+        "iterations": [],
+        "usage": {},
+        "elapsed_s": 1.0,
+        "reproduce": "kernelcrew optimize t.py",
+    }
+    text = render_markdown(report)
+    assert "| eager | 2 ms | 1x |" in text
+    assert "| torch.compile (default) | 1 ms | 2x |" in text
