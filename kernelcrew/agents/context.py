@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,10 @@ class CrewContext:
     on_event: Callable[[dict[str, Any]], None] | None = None
     analyze: Callable[..., Any] | None = None
     """Sandboxed FX analysis of the task (the playbook's); injectable for tests."""
-    events: list[dict[str, Any]] = field(default_factory=list)
 
     def emit(self, kind: str, **data: Any) -> None:
         """Tell the user (progress view, SSE stream) what just happened."""
         event = {"kind": kind, "time": time.time(), **data}
-        self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
 
