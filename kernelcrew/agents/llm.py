@@ -378,33 +378,37 @@ class _RetryingClient:
 
     provider: str
     model: str
+    _sdk_name: str
+    _default_host: str
 
     def __init__(
         self,
         model: str,
         *,
-        sdk: Any,
-        default_host: str,
-        api_key: str,
-        base_url: str,
-        timeout_s: float,
-        max_retries: int,
-        price_in: float | None,
-        price_out: float | None,
-        sleep: Callable[[float], None],
-        rng: random.Random | None,
+        api_key: str = "",
+        base_url: str = "",
+        timeout_s: float = 120.0,
+        max_retries: int = 4,
+        price_in: float | None = None,
+        price_out: float | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
     ) -> None:
         self.model = model
         self.base_url = base_url
         self.price_in = price_in
         self.price_out = price_out
-        self._sdk = sdk
-        self._where = base_url or default_host
+        self._sdk = _import_sdk(self._sdk_name)
+        self._where = base_url or self._default_host
         self._secret = api_key
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self._sleep = sleep
         self._rng = rng or random.Random()
+        self._client = self._make_client()
+
+    def _make_client(self) -> Any:
+        raise NotImplementedError
 
     def _call(self, request: Callable[[], Any]) -> tuple[Any, int]:
         attempt = 0
@@ -481,35 +485,15 @@ class OpenAIChat(_RetryingClient):
 
     provider = "openai"
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        api_key: str = "",
-        base_url: str = "",
-        timeout_s: float = 120.0,
-        max_retries: int = 4,
-        price_in: float | None = None,
-        price_out: float | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-        rng: random.Random | None = None,
-    ) -> None:
-        openai = _import_sdk("openai")
-        super().__init__(
-            model,
-            sdk=openai,
-            default_host="api.openai.com",
-            api_key=api_key,
-            base_url=base_url,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            price_in=price_in,
-            price_out=price_out,
-            sleep=sleep,
-            rng=rng,
-        )
-        self._client = openai.OpenAI(
-            api_key=api_key or "EMPTY", base_url=base_url or None, timeout=timeout_s, max_retries=0
+    _sdk_name = "openai"
+    _default_host = "api.openai.com"
+
+    def _make_client(self) -> Any:
+        return self._sdk.OpenAI(
+            api_key=self._secret or "EMPTY",
+            base_url=self.base_url or None,
+            timeout=self.timeout_s,
+            max_retries=0,
         )
 
     def _params(self, messages: list[Message], temperature: float, max_tokens: int) -> dict[str, Any]:
@@ -559,35 +543,12 @@ class AnthropicChat(_RetryingClient):
 
     provider = "anthropic"
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        api_key: str,
-        base_url: str = "",
-        timeout_s: float = 120.0,
-        max_retries: int = 4,
-        price_in: float | None = None,
-        price_out: float | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-        rng: random.Random | None = None,
-    ) -> None:
-        anthropic = _import_sdk("anthropic")
-        super().__init__(
-            model,
-            sdk=anthropic,
-            default_host="api.anthropic.com",
-            api_key=api_key,
-            base_url=base_url,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            price_in=price_in,
-            price_out=price_out,
-            sleep=sleep,
-            rng=rng,
-        )
-        self._client = anthropic.Anthropic(
-            api_key=api_key, base_url=base_url or None, timeout=timeout_s, max_retries=0
+    _sdk_name = "anthropic"
+    _default_host = "api.anthropic.com"
+
+    def _make_client(self) -> Any:
+        return self._sdk.Anthropic(
+            api_key=self._secret, base_url=self.base_url or None, timeout=self.timeout_s, max_retries=0
         )
 
     def complete(
