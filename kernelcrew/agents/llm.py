@@ -410,6 +410,16 @@ class _RetryingClient:
     def _make_client(self) -> Any:
         raise NotImplementedError
 
+    def _completion(
+        self, text: str, n_in: int, n_out: int, served: str | None, attempts: int, stop: str
+    ) -> Completion:
+        """The reply with its usage, priced by the model that served it (or the one asked for)."""
+        model = served or self.model
+        cost = estimate_cost(
+            [model, self.model], n_in, n_out, price_in=self.price_in, price_out=self.price_out
+        )
+        return Completion(text, Usage(n_in, n_out, cost), model, self.provider, attempts, stop)
+
     def _call(self, request: Callable[[], Any]) -> tuple[Any, int]:
         attempt = 0
         while True:
@@ -526,11 +536,7 @@ class OpenAIChat(_RetryingClient):
         usage = response.usage
         n_in = (usage.prompt_tokens or 0) if usage else 0
         n_out = (usage.completion_tokens or 0) if usage else 0
-        served = response.model or self.model
-        cost = estimate_cost(
-            [served, self.model], n_in, n_out, price_in=self.price_in, price_out=self.price_out
-        )
-        return Completion(text, Usage(n_in, n_out, cost), served, self.provider, attempts, stop)
+        return self._completion(text, n_in, n_out, response.model, attempts, stop)
 
 
 class AnthropicChat(_RetryingClient):
@@ -574,11 +580,7 @@ class AnthropicChat(_RetryingClient):
         usage = response.usage
         n_in = (usage.input_tokens or 0) if usage else 0
         n_out = (usage.output_tokens or 0) if usage else 0
-        served = response.model or self.model
-        cost = estimate_cost(
-            [served, self.model], n_in, n_out, price_in=self.price_in, price_out=self.price_out
-        )
-        return Completion(text, Usage(n_in, n_out, cost), served, self.provider, attempts, stop)
+        return self._completion(text, n_in, n_out, response.model, attempts, stop)
 
 
 class ReplayChat:

@@ -283,6 +283,23 @@ def _sandbox_failure(res: sandbox.SandboxResult, default_stage: str) -> Failure:
 GOLDEN_FILES = ("inputs.pt", "state_dict.pt", "golden.pt", "native.pt")
 
 
+#: cuBLAS needs a fixed workspace to be deterministic; verification children only (never timing).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def child_env(device: str, *candidate_sources: str) -> dict[str, str]:
+    """Extra environment of a child that runs these candidates: their build caches, and Triton's
+    interpreter on a CPU."""
+    from kernelcrew.tools.build import build_env
+
+    env: dict[str, str] = {}
+    for source in candidate_sources:
+        env.update(build_env(source))  # one candidate per child in practice
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
 @dataclass
 class Golden:
     """Input sets, weights and golden outputs of one task, made once and judged against many times.
@@ -338,7 +355,7 @@ def make_golden(
         "task_path": task_path,
         "n_seeds": s.verify_seeds,
     }
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env = dict(DETERMINISTIC_ENV)
     res = sandbox.run("kernelcrew.tools.harness:golden_child", payload, workdir=path, env=env, settings=s)
     if not res.ok:
         shutil.rmtree(path, ignore_errors=True)
@@ -412,7 +429,7 @@ def verify(
         verdict.failures = [Failure("static", f.message, details=f.to_dict()).to_dict() for f in findings]
         return verdict
 
-    from kernelcrew.tools.build import build_env, cache_dirs
+    from kernelcrew.tools.build import cache_dirs
 
     if golden is None:
         golden = make_golden(
@@ -423,9 +440,7 @@ def verify(
     verdict.golden_mode = meta["golden_mode"]
     verdict.input_sets = meta["sets"]
     verdict.flags.extend(_flags(meta, golden.notes))
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **build_env(candidate_source)}
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
+    env = {**DETERMINISTIC_ENV, **child_env(device, candidate_source)}
     cand_dir = sandbox.make_workdir("kc-cand-")
     try:
         share_inputs(golden, cand_dir, s)

@@ -763,18 +763,14 @@ def benchmark(
     import shutil
 
     from kernelcrew.tools import sandbox
-    from kernelcrew.tools.build import build_env, cache_dirs
-    from kernelcrew.tools.correctness import compare_output, share_inputs, tolerance_for
+    from kernelcrew.tools.build import cache_dirs
+    from kernelcrew.tools.correctness import child_env, compare_output, share_inputs, tolerance_for
 
     if golden is not None:
         device, precision, seed = golden.device, golden.precision, golden.seed
     seed = secrets.randbits(31) if seed is None else int(seed)
     workdir = sandbox.make_workdir("kc-bench-")
-    env: dict[str, str] = {}
-    for source, _ in candidates.values():
-        env.update(build_env(source))  # one candidate per call in practice; the last one's cache wins
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
+    env = child_env(device, *(source for source, _ in candidates.values()))
     payload: dict[str, Any] = {
         "device": device,
         "seed": seed,
