@@ -243,6 +243,221 @@ def optimize(
     raise typer.Exit(0)
 
 
+@app.command()
+def profile(
+    task: Annotated[Path, typer.Argument(help="Task file (KernelBench format).")],
+    candidate: Annotated[
+        Path | None, typer.Option(help="A ModelNew file to profile next to the reference.")
+    ] = None,
+    device: Annotated[Device, typer.Option(help="Where to run: cuda, cpu, or auto.")] = Device.auto,
+    precision: Annotated[Precision, typer.Option(help="strict or relaxed.")] = Precision.strict,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ncu: Annotated[bool, typer.Option(help="Run Nsight Compute (GPU with ncu).")] = True,
+    calibrate: Annotated[
+        bool, typer.Option(help="Measure this GPU's bandwidth and matmul rates first (stored).")
+    ] = False,
+    gpu: Annotated[
+        str, typer.Option(help="Compute the floor for this GPU model (e.g. h100-sxm) instead of this one.")
+    ] = "",
+    seed: Annotated[int | None, typer.Option(help="Inputs' seed.")] = None,
+    compile_modes: Annotated[
+        str, typer.Option(help="torch.compile baselines: auto, none, or a comma list.")
+    ] = "auto",
+    quick: Annotated[bool, typer.Option(help="Few timing repetitions (fast, noisy).")] = False,
+) -> None:
+    """Profile a task (and a candidate): hotspots, Nsight Compute, floor, speed of light, diagnosis."""
+    try:
+        report = run_profile(
+            task,
+            candidate,
+            device=device,
+            precision=precision.value,
+            use_ncu=ncu,
+            calibrate=calibrate,
+            gpu=gpu,
+            seed=seed,
+            compile_modes=compile_modes,
+            quick=quick,
+        )
+    except (TaskError, ValueError, RuntimeError) as exc:
+        if as_json:
+            print(json.dumps({"error": str(exc)}))
+        else:
+            console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_profile(report)
+    raise typer.Exit(1 if report.get("candidate_verdict", {}).get("verdict") == "fail" else 0)
+
+
+def run_profile(
+    task: Path,
+    candidate: Path | None,
+    *,
+    device: Device,
+    precision: str,
+    use_ncu: bool = True,
+    calibrate: bool = False,
+    gpu: str = "",
+    seed: int | None = None,
+    compile_modes: str = "auto",
+    quick: bool = False,
+) -> dict[str, Any]:
+    """What ``kernelcrew profile`` prints: the same analysis the profiler agent gives the planner."""
+    import secrets
+
+    from kernelcrew.agents.diagnosis import assess
+    from kernelcrew.tools import hardware, roofline
+    from kernelcrew.tools.executor import LocalExecutor
+    from kernelcrew.tools.timing import parse_compile_modes
+
+    task_source = read_source(task)
+    cand_source = read_source(candidate) if candidate else None
+    dev = resolve_device(device)
+    hw = hardware.detect(dev).to_dict()
+    notes: list[str] = []
+    target = roofline.peaks_for({"device": "cuda", "model": gpu}) if gpu else None
+    if target is not None and target.basis == "unknown":
+        raise TaskError(f"unknown GPU model {gpu!r} (known: {', '.join(roofline.DATASHEET)})")
+    if calibrate:
+        if dev != "cuda":
+            raise TaskError("--calibrate measures a GPU; this run is on the CPU")
+        roofline.calibrate(hw)
+    executor = LocalExecutor()
+    request = {
+        "task_source": task_source,
+        "task_path": str(task),
+        "device": dev,
+        "precision": precision,
+        "seed": secrets.randbits(31) if seed is None else seed,
+    }
+    report: dict[str, Any] = {
+        "task": str(task),
+        "device": dev,
+        "hardware": hw,
+        "versions": hardware.versions(),
+    }
+    try:
+        ref = executor.profile({**request, "ncu": use_ncu and dev == "cuda"})
+        verdict = None
+        if cand_source is not None:
+            verdict = executor.verify(
+                {**request, "candidate_source": cand_source, "candidate_path": str(candidate)}
+            )
+            report["candidate_verdict"] = {k: verdict.get(k) for k in ("verdict", "stage", "message", "kind")}
+        passed = cand_source is not None and verdict is not None and verdict["verdict"] == "pass"
+        bench = executor.benchmark(
+            {
+                **request,
+                "candidates": {"candidate": cand_source} if passed else {},
+                "compile_modes": parse_compile_modes(compile_modes, dev),
+                "quick": quick,
+            }
+        )
+        cand = (
+            executor.profile(
+                {
+                    **request,
+                    "candidate_source": cand_source,
+                    "candidate_path": str(candidate),
+                    "ncu": use_ncu and dev == "cuda",
+                }
+            )
+            if passed
+            else {}
+        )
+    finally:
+        executor.close()
+    results = bench.get("results", {})
+    timing = {
+        "clock": bench.get("clock"),
+        "eager_ms": results.get("eager", {}).get("median_ms"),
+        "compile_ms": {
+            k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")
+        },
+        "candidate_ms": results.get("candidate", {}).get("median_ms"),
+    }
+    peaks = roofline.Peaks(**ref["peaks"])
+    floor = ref.get("floor") or {}
+    if target is not None:
+        peaks, floor = target, roofline.floor(ref.get("work") or {}, target)
+        notes.append(f"floor computed for {gpu} ({target.basis}), not for the device measured here")
+    if dev == "cpu":
+        notes.append("no GPU here: CPU profile (aten ops by self CPU time) and the analytic floor only")
+    baseline = {
+        **ref,
+        "floor": floor,
+        "eager_ms": timing["eager_ms"],
+        "clock": timing["clock"],
+        "hotspot_clock": ref.get("clock"),
+    }
+    if not (ref.get("ncu") or {}).get("available") and dev == "cuda":
+        notes.append(f"Nsight Compute: {(ref.get('ncu') or {}).get('reason', 'not asked for')}")
+    timed = dev == "cuda"
+    fraction = lambda ms: roofline.sol_fraction(floor.get("floor_ms"), ms) if timed else None  # noqa: E731
+    report.update(
+        peaks=peaks.to_dict(),
+        work=ref.get("work"),
+        floor=floor,
+        timing=timing,
+        sol_fraction={
+            "eager": fraction(timing["eager_ms"]),
+            **{f"compile:{m}": fraction(ms) for m, ms in timing["compile_ms"].items()},
+            "candidate": fraction(timing["candidate_ms"]),
+        },
+        hotspots=ref.get("hotspots", []),
+        hotspot_clock=ref.get("clock"),
+        ncu={"reference": ref.get("ncu"), "candidate": cand.get("ncu") if cand else None},
+        diagnosis={
+            "reference": assess(baseline),
+            "candidate": assess(baseline, cand.get("ncu") or {}, timing["candidate_ms"], subject="candidate")
+            if passed
+            else None,
+        },
+        notes=notes,
+    )
+    if not timed:
+        report["timing_note"] = "CPU wall-clock timings: no fraction of speed of light is computed from them"
+    return report
+
+
+def _print_profile(report: dict[str, Any]) -> None:
+    from kernelcrew.agents.diagnosis import render
+
+    out = Console()
+    hw = report["hardware"]
+    out.print(f"[bold]{report['task']}[/] on {hw['name']} ({hw['arch']})")
+    for note in report["notes"]:
+        out.print(f"  [yellow]![/] {note}")
+    work, floor, timing = report.get("work") or {}, report.get("floor") or {}, report["timing"]
+    table = Table(show_header=False, box=None)
+    table.add_row("compulsory bytes", f"{work.get('bytes', 0) / 1e6:.4g} MB")
+    table.add_row("flops", f"{(work.get('matmul_flops', 0) + work.get('other_flops', 0)) / 1e9:.4g} GFLOP")
+    table.add_row(
+        "floor",
+        _fmt_ms(floor.get("floor_ms")) + (f" ({floor.get('bound')}-bound)" if floor.get("bound") else ""),
+    )
+    table.add_row("eager", _fmt_ms(timing["eager_ms"]))
+    for mode, ms in timing["compile_ms"].items():
+        table.add_row(f"torch.compile ({mode})", _fmt_ms(ms))
+    if timing["candidate_ms"] is not None:
+        table.add_row("candidate", _fmt_ms(timing["candidate_ms"]))
+    for key, value in report["sol_fraction"].items():
+        if value is not None:
+            table.add_row(f"speed of light: {key}", f"{value:.0%}")
+    out.print(table)
+    for hot in report["hotspots"][:5]:
+        out.print(f"  {hot['share']:6.1%}  {hot['time_us']:10.1f} us  {hot['name'][:90]}")
+    for diag in report["diagnosis"].values():
+        if diag:
+            out.print(render(diag, {}))
+    verdict = report.get("candidate_verdict")
+    if verdict and verdict["verdict"] != "pass":
+        out.print(f"[red]candidate failed verification[/] ({verdict['stage']}): {verdict['message']}")
+
+
 def _ask_guidance(step: int) -> str:
     """Read one line of guidance from the terminal (empty: go on)."""
     return typer.prompt(f"guidance before step {step} (enter to go on)", default="", show_default=False)

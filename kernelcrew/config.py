@@ -50,6 +50,15 @@ class Settings(BaseSettings):
         False, description="Run compute-sanitizer memcheck on the smallest input set."
     )
 
+    # Profiler (tools/ncu.py, tools/roofline.py).
+    ncu_clock_control: Literal["none", "base"] = Field(
+        "none", description="ncu --clock-control: none measures the GPU as it runs (never lock clocks)."
+    )
+    ncu_timeout_s: float = Field(600.0, gt=0, description="Wall-clock limit of one ncu run.")
+    suspect_floor_ratio: float = Field(
+        0.9, gt=0, le=1, description="A time below this fraction of the speed-of-light floor is suspect."
+    )
+
     # LLM (kernelcrew/agents/llm.py). Empty `llm` means auto: the offline playbook unless an API key
     # (or llm_base_url) is set. Keys are SecretStr so they never print.
     llm: str = Field("", description='Backend: "", "playbook", "openai", "anthropic" or "replay".')

@@ -9,8 +9,11 @@ from typing import Any
 from langgraph.runtime import Runtime
 
 from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.diagnosis import assess, render
 from kernelcrew.agents.state import Candidate, CrewState
+from kernelcrew.config import get_settings
 from kernelcrew.task import TaskError
+from kernelcrew.tools.roofline import is_suspect, sol_fraction
 
 
 def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -19,7 +22,8 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
     opts = state.options
     started = state.started_at or time.time()
     ctx.emit("node", node="profile_baseline", message="timing the reference and ranking its kernels")
-    hot = ctx.executor.profile(ctx.request(state))
+    on_gpu = opts.device.startswith("cuda")
+    hot = ctx.executor.profile(ctx.request(state, ncu=on_gpu))
     bench = ctx.executor.benchmark(
         ctx.request(state, candidates={}, compile_modes=list(opts.compile_modes), quick=opts.quick)
     )
@@ -46,7 +50,17 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         "arch": (bench.get("hardware") or {}).get("arch", opts.device),
         "hotspots": hot.get("hotspots", []),
         "hotspot_clock": hot.get("clock"),
+        "hotspot_total_us": hot.get("total_us"),
+        "work": hot.get("work"),
+        "peaks": hot.get("peaks"),
+        "floor": hot.get("floor"),
+        "ncu": hot.get("ncu") or {"available": False, "reason": "not asked for (CPU run)"},
         "analysis": analysis,
+    }
+    floor_ms = (baseline["floor"] or {}).get("floor_ms")
+    baseline["sol_fraction"] = {
+        "eager": sol_fraction(floor_ms, baseline["eager_ms"]),
+        **{f"compile:{m}": sol_fraction(floor_ms, ms) for m, ms in compiled.items()},
     }
     update: dict[str, Any] = {"baseline": baseline, "diagnosis": diagnose(baseline), "started_at": started}
     if state.start_source:
@@ -57,15 +71,16 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         compile_ms=compiled,
         clock=baseline["clock"],
         hotspots=baseline["hotspots"][:3],
+        floor_ms=floor_ms,
+        ncu=baseline["ncu"].get("available"),
     )
     return update
 
 
 def diagnose(baseline: dict[str, Any], best: Candidate | None = None) -> str:
-    """A short reading for the planner: what dominates, what fusion is worth, where the best stands.
-
-    Rules only (the profiler issue adds Nsight Compute metrics and the roofline to it).
-    """
+    """What the planner reads: the graph, where time goes (Amdahl), eager against torch.compile,
+    and the measured reading of the best candidate (or the reference) from
+    :mod:`kernelcrew.agents.diagnosis`."""
     lines = []
     hot = baseline.get("hotspots", [])
     ops = (baseline.get("analysis") or {}).get("op_sequence") or []
@@ -93,9 +108,18 @@ def diagnose(baseline: dict[str, Any], best: Candidate | None = None) -> str:
         )
     if baseline.get("clock") == "cpu-wall":
         lines.append("timings are CPU wall clock (no GPU here): they do not drive decisions")
+    lines.append(render(assess_subject(baseline, best), baseline))
     if best is not None and best.speedup_eager:
         lines.append(f"best so far: {best.strategy} at {best.speedup_eager:.2f}x over eager ({best.kind})")
-    return "\n".join(lines) or "no profile available"
+    return "\n".join(lines)
+
+
+def assess_subject(baseline: dict[str, Any], best: Candidate | None = None) -> dict[str, Any]:
+    """The structured reading of the best candidate when it has Nsight Compute records, else of the
+    reference."""
+    if best is not None and best.ncu and best.ncu.get("available"):
+        return assess(baseline, best.ncu, best.time_ms, subject=f"best candidate ({best.strategy})")
+    return assess(baseline)
 
 
 def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -103,7 +127,20 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     draft = state.draft
     if draft is None or draft.verdict != "pass":
         raise ValueError("profile reached without a verified draft")
-    return {"draft": time_candidate(state, runtime.context, draft)}
+    ctx = runtime.context
+    timed = time_candidate(state, ctx, draft)
+    best = state.best
+    faster = timed.time_ms is not None and (
+        best is None or best.time_ms is None or timed.time_ms < best.time_ms
+    )
+    if timed.verdict == "pass" and faster and (state.baseline.get("ncu") or {}).get("available"):
+        # Nsight Compute on each new fastest candidate: the next diagnosis reads its metrics.
+        result = ctx.executor.profile(
+            ctx.request(state, candidate_source=timed.source, candidate_path=f"{timed.id}.py", ncu=True)
+        )
+        timed.ncu = result.get("ncu")
+        ctx.emit("ncu", candidate=timed.id, available=(timed.ncu or {}).get("available"))
+    return {"draft": timed}
 
 
 def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candidate:
@@ -133,6 +170,8 @@ def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candi
         timed.speedup_compile = min(compiled.values()) / timed.time_ms
     if bench.get("clock") == "cpu-wall":
         timed.flags = [*timed.flags, "CPU timings (wall clock): not GPU speedups"]
+    else:
+        timed = _check_floor(state, ctx, timed, bench)
     ctx.emit(
         "timing",
         candidate=cand.id,
@@ -140,8 +179,47 @@ def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candi
         time_ms=timed.time_ms,
         speedup_eager=timed.speedup_eager,
         significant=timed.significant,
+        sol_fraction=timed.sol_fraction,
         clock=bench.get("clock"),
     )
+    return timed
+
+
+def _check_floor(state: CrewState, ctx: CrewContext, timed: Candidate, bench: dict[str, Any]) -> Candidate:
+    """Fraction of speed of light, and the suspect rule: a time under ``suspect_floor_ratio`` x the
+    floor is faster than the hardware allows, so it is measured a second time; it counts only if the
+    second measurement confirms it, and stays flagged in the report either way."""
+    floor_ms = (state.baseline.get("floor") or {}).get("floor_ms")
+    timed.sol_fraction = sol_fraction(floor_ms, timed.time_ms)
+    ratio = get_settings().suspect_floor_ratio
+    if not is_suspect(floor_ms, timed.time_ms, ratio):
+        return timed
+    first = timed.time_ms
+    again = ctx.executor.benchmark(
+        ctx.request(state, candidates={timed.id: timed.source}, compile_modes=[], quick=state.options.quick)
+    )
+    second = again.get("results", {}).get(timed.id, {}).get("median_ms")
+    ratio_again = again.get("ratios", {}).get(timed.id, {})
+    note = (
+        f"suspect: {first:.4g} ms is below {ratio:g}x the speed-of-light floor ({floor_ms:.4g} ms); "
+        f"second measurement {second if second is None else f'{second:.4g} ms'}"
+    )
+    if again.get("failure") or second is None or not is_suspect(floor_ms, second, ratio):
+        # Not confirmed: the second measurement (or its failure) is what counts.
+        timed.flags = [*timed.flags, note + ": not confirmed, first timing discarded"]
+        if again.get("failure"):
+            timed.verdict, timed.stage, timed.message = (
+                "fail",
+                again["failure"]["stage"],
+                again["failure"]["message"],
+            )
+            timed.failures = [again["failure"], *timed.failures]
+            return timed
+        timed.time_ms, timed.speedup_eager = second, ratio_again.get("median")
+        timed.significant = bool(ratio_again.get("significant"))
+        timed.sol_fraction = sol_fraction(floor_ms, second)
+        return timed
+    timed.flags = [*timed.flags, note + ": confirmed (check the floor's peaks and bytes)"]
     return timed
 
 

@@ -15,7 +15,9 @@ from typing import Any
 from langgraph.runtime import Runtime
 
 from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.profiler import assess_subject
 from kernelcrew.agents.state import CrewState
+from kernelcrew.tools.roofline import sol_fraction
 
 
 def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -114,12 +116,28 @@ def build_report(state: CrewState, final: dict[str, Any], ctx: CrewContext) -> d
             "flags": best.flags,
             **final,
         },
+        "roofline": _roofline(base, final),
+        "ncu": {"reference": base.get("ncu"), "best": best.ncu if best else None},
+        "diagnosis": assess_subject(base, best),
         "iterations": state.iterations,
         "replies": state.replies,
         "usage": state.usage or {"calls": 0, "note": "offline playbook: no LLM tokens"},
         "elapsed_s": state.elapsed_s,
         "reproduce": shlex.join(cmd),
     }
+
+
+def _roofline(base: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
+    """The floor and how close eager, torch.compile and the best run to it (final measurement)."""
+    floor = base.get("floor") or {}
+    floor_ms = floor.get("floor_ms")
+    eager_ms = final.get("eager_ms") or base.get("eager_ms")
+    compiled = final.get("compile_ms") or base.get("compile_ms") or {}
+    fractions = {"eager": sol_fraction(floor_ms, eager_ms)}
+    fractions.update({f"compile:{m}": sol_fraction(floor_ms, ms) for m, ms in compiled.items()})
+    if final.get("best_ms"):
+        fractions["best"] = sol_fraction(floor_ms, final["best_ms"])
+    return {"work": base.get("work"), "floor": floor, "peaks": base.get("peaks"), "sol_fraction": fractions}
 
 
 def write_report(out_dir: Path, report: dict[str, Any], best_source: str | None) -> None:
@@ -138,6 +156,80 @@ def _ms(v: Any) -> str:
 
 def _x(v: Any) -> str:
     return "-" if v is None else f"{v:.3g}x"
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _roofline_lines(report: dict[str, Any]) -> list[str]:
+    roof = report.get("roofline") or {}
+    floor = roof.get("floor") or {}
+    diag = report.get("diagnosis") or {}
+    lines = ["", "## Speed of light", ""]
+    if floor.get("floor_ms"):
+        peaks = roof.get("peaks") or {}
+        lines.append(
+            f"Floor {_ms(floor['floor_ms'])} ({floor['bound']}-bound): {floor['bytes'] / 1e6:.3g} MB compulsory "
+            f"traffic at {floor['dram_gbs']:.0f} GB/s, {floor['flops'] / 1e9:.3g} GFLOP at "
+            f"{floor['compute_tflops']:.0f} TFLOP/s ({floor['compute_class']}); peaks: {peaks.get('basis')}."
+        )
+        fr = roof.get("sol_fraction") or {}
+        lines.append(
+            "Fraction of speed of light: " + ", ".join(f"{k} {_pct(v)}" for k, v in fr.items()) + "."
+        )
+    else:
+        lines.append(f"No floor: {floor.get('reason') or 'no peaks for this device'}.")
+    if diag:
+        lines.append(
+            f"Diagnosis of the {diag.get('subject')}: **{diag.get('bound')}**-bound ({diag.get('metrics_source')})."
+        )
+        lines += [
+            f"- {e['metric']} = {e['value']} {e['unit']} ({e['meaning']})" for e in diag.get("evidence", [])
+        ]
+        if diag.get("remedies"):
+            lines.append("Remedies: " + "; ".join(diag["remedies"]) + ".")
+    return lines
+
+
+_NCU_ROWS = (
+    ("kernel time / call", "kernel_time_us", "{:.4g} us"),
+    ("launches / call", "launches_per_call", "{:g}"),
+    ("DRAM bytes / call", "dram_bytes", "{:.4g}"),
+    ("DRAM throughput", "dram_pct", "{:.1f}%"),
+    ("L2 throughput", "l2_pct", "{:.1f}%"),
+    ("SM throughput", "sm_pct", "{:.1f}%"),
+    ("tensor pipe", "tensor_pct", "{:.1f}%"),
+    ("achieved occupancy", "achieved_occupancy_pct", "{:.1f}%"),
+    ("spills (local ld/st)", "spills", "{:g}"),
+)
+
+
+def _stalls(summary: dict[str, Any]) -> str:
+    tops = summary.get("top_stalls", [])
+    return ", ".join(f"{t['reason']} {(t.get('share') or 0):.0%}" for t in tops) or "-"
+
+
+def _ncu_lines(report: dict[str, Any]) -> list[str]:
+    ref = (report.get("ncu") or {}).get("reference") or {}
+    best = (report.get("ncu") or {}).get("best") or {}
+    if not ref.get("available"):
+        return ["", f"Nsight Compute: not run ({ref.get('reason', 'not available')})."]
+    rs, bs = ref.get("summary") or {}, (best.get("summary") if best.get("available") else None) or {}
+
+    def cell(summary: dict[str, Any], key: str, fmt: str) -> str:
+        value = summary.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    lines = [
+        "",
+        f"## Nsight Compute (ncu {ref.get('version')}, clock control {ref.get('clock_control')})",
+        "",
+    ]
+    lines += ["| metric | reference | best |", "|---|---|---|"]
+    lines += [f"| {label} | {cell(rs, key, fmt)} | {cell(bs, key, fmt)} |" for label, key, fmt in _NCU_ROWS]
+    lines.append(f"| top stalls | {_stalls(rs)} | {_stalls(bs)} |")
+    return lines
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -178,6 +270,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 else "no candidate passed verification |"
             )
         )
+    lines += _roofline_lines(report) + _ncu_lines(report)
     lines += [
         "",
         "## Steps",

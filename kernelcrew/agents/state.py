@@ -55,12 +55,16 @@ class Candidate:
     speedup_eager_ci: list[float] | None = None
     speedup_compile: float | None = None
     significant: bool = False
+    sol_fraction: float | None = None
+    """The task's speed-of-light floor over this candidate's time (1.0 = at the floor)."""
+    ncu: dict[str, Any] | None = None
+    """Nsight Compute summary of one forward (GPU with ncu; the best candidates only)."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the source (what an iteration record keeps)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("source", "failures")} | {
+        return {k: v for k, v in self.__dict__.items() if k not in ("source", "failures", "ncu")} | {
             "failure": self.failures[0] if self.failures else None
         }
 

@@ -13,6 +13,7 @@ against the same inputs and reference outputs without recomputing them.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from typing import Any, Protocol
 
 from kernelcrew.config import Settings, get_settings
@@ -34,8 +35,11 @@ class Executor(Protocol):
         ...
 
     def profile(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``{task_source, task_path, device, precision, seed}`` -> the reference's kernels ranked by
-        time (``hotspots``) and the device it ran on."""
+        """``{task_source, task_path, device, precision, seed, [candidate_source], [ncu]}`` -> the
+        reference's kernels ranked by time (``hotspots``) and its ``work`` (bytes, flops), the
+        device's ``peaks`` and the task's ``floor`` (:mod:`kernelcrew.tools.roofline`), and with
+        ``ncu`` the Nsight Compute summary of the reference or the candidate
+        (:func:`kernelcrew.tools.ncu.profile`)."""
         ...
 
     def close(self) -> None:
@@ -100,11 +104,36 @@ class LocalExecutor:
         )
 
     def profile(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The reference's hotspots and work (no ``candidate_source``) or a candidate's, the device's
+        peaks and the task's floor, and Nsight Compute's records when ``ncu`` is asked for."""
+        from kernelcrew.tools import ncu, roofline
+        from kernelcrew.tools.hardware import detect
+
         golden = self.golden(request)  # validates the task and fixes the weights and inputs
+        candidate = request.get("candidate_source")
+        out: dict[str, Any] = {} if candidate else self._hotspots(golden, request)
+        hardware = detect(request["device"]).to_dict()
+        peaks = roofline.peaks_for(hardware, self.settings)
+        out.update(hardware=hardware, peaks=peaks.to_dict())
+        if "work" in out:
+            out["floor"] = roofline.floor(out["work"], peaks)
+        if request.get("ncu"):
+            result = ncu.profile(
+                golden,
+                candidate,
+                candidate_path=request.get("candidate_path", "candidate.py"),
+                kernel_filter=request.get("kernel_filter", ""),
+                settings=self.settings,
+            )
+            result.pop("records", None)  # the per-launch records stay here; the summary travels
+            out["ncu"] = result
+        return out
+
+    def _hotspots(self, golden: Any, request: dict[str, Any]) -> dict[str, Any]:
+        from kernelcrew.tools.correctness import share_inputs
+
         workdir = sandbox.make_workdir("kc-profile-")
         try:
-            from kernelcrew.tools.correctness import share_inputs
-
             share_inputs(golden, workdir, self.settings)
             payload = {k: request[k] for k in ("task_source", "device", "precision", "seed")}
             payload["task_path"] = request.get("task_path", "task.py")
@@ -112,8 +141,6 @@ class LocalExecutor:
                 "kernelcrew.tools.harness:profile_child", payload, workdir=workdir, settings=self.settings
             )
         finally:
-            import shutil
-
             shutil.rmtree(workdir, ignore_errors=True)
         if not res.ok:
             raise TaskError(f"profiling the reference failed: {res.message}", path=request.get("task_path"))

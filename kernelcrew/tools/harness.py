@@ -742,6 +742,7 @@ def profile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     model, _ = build_reference(task, seed)
     model.load_state_dict(state)
     model = model.to(device).eval()
+    work = measure_work(model, inputs, payload["precision"])
     on_gpu = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with torch.no_grad():
@@ -775,4 +776,145 @@ def profile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         "clock": "cuda kernels (self device time)" if on_gpu else "cpu aten ops (self CPU time)",
         "total_us": whole,
         "hotspots": rows[:15],
+        "work": work,
     }
+
+
+_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "_convolution", "linear")
+_NO_COMPUTE_OPS = (
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "expand",
+    "permute",
+    "transpose",
+    "t",
+    "clone",
+    "contiguous",
+    "copy_",
+    "detach",
+    "alias",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "empty",
+    "empty_like",
+    "zeros",
+    "zeros_like",
+    "ones",
+    "ones_like",
+    "full",
+    "full_like",
+    "_to_copy",
+    "lift_fresh",
+    "split",
+    "split_with_sizes",
+    "cat",
+    "stack",
+    "index_select",
+    "gather",
+    "unbind",
+    "narrow",
+)
+
+
+def measure_work(model: Any, inputs: list[Any], precision: str) -> dict[str, Any]:
+    """What one forward must do at the least: the bytes it must move and the flops it must run.
+
+    ``bytes``: every input, parameter, buffer and output once (intermediates are assumed to stay on
+    chip: the floor of a perfectly fused kernel). ``matmul_flops``: torch's own flop counter (matmul,
+    convolution, attention). ``other_flops``: one flop per output element of every other op that
+    computes (a lower bound; data movement ops count nothing). ``matmul_dtype``: the dtype the
+    matmuls run in, with the precision policy, which picks the compute peak (``fp32`` SIMT under
+    ``strict``, ``tf32`` under ``relaxed``, ``fp16``, ``bf16``, ``fp8``).
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def nbytes(obj: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in flatten_outputs(obj) if isinstance(t, torch.Tensor))
+
+    tensors_in = [x for x in inputs if isinstance(x, torch.Tensor)]
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    dtypes: dict[str, int] = {}
+    other = [0]
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__.rstrip("_") if hasattr(func, "overloadpacket") else str(func)
+            if name in _MATMUL_OPS or "scaled_dot_product" in name:
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                if first is not None:
+                    key = str(first.dtype).replace("torch.", "")
+                    dtypes[key] = dtypes.get(key, 0) + 1
+            elif name not in _NO_COMPUTE_OPS:
+                other[0] += sum(t.numel() for t in flatten_outputs(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with torch.no_grad():
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = model(*inputs)
+        with _Ops():
+            model(*inputs)
+    matmul_dtype = max(dtypes, key=lambda k: dtypes[k]) if dtypes else None
+    peak_class = None
+    if matmul_dtype is not None:
+        peak_class = {
+            "float32": "tf32" if precision == "relaxed" else "fp32",
+            "float16": "fp16",
+            "bfloat16": "bf16",
+            "float8_e4m3fn": "fp8",
+            "float8_e5m2": "fp8",
+            "float64": "fp64",
+        }.get(matmul_dtype, "fp32")
+    return {
+        "bytes": sum(t.numel() * t.element_size() for t in tensors_in) + state_bytes + nbytes(out),
+        "input_bytes": sum(t.numel() * t.element_size() for t in tensors_in),
+        "state_bytes": state_bytes,
+        "output_bytes": nbytes(out),
+        "matmul_flops": int(counter.get_total_flops()),
+        "other_flops": int(other[0]),
+        "matmul_dtype": matmul_dtype,
+        "compute_class": peak_class,
+    }
+
+
+def ncu_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Run the reference (or the candidate) under Nsight Compute (the parent wraps this child in ncu).
+
+    Warm-up calls run outside any range, so JIT compilation, autotuning and cuBLAS set-up are never
+    profiled; then ``calls`` forwards run inside the NVTX range that ncu filters on.
+    """
+    import torch
+
+    from kernelcrew.tools.ncu import NVTX_RANGE
+
+    device, seed = payload["device"], int(payload["seed"])
+    apply_precision(payload["precision"])
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    state = torch.load(workdir / "state_dict.pt", weights_only=True)
+    inputs = to_device(torch.load(workdir / "inputs.pt", weights_only=True)[0], device)
+    if payload.get("candidate_source"):
+        model, _ref, _build = load_candidate_model(
+            task, payload["candidate_source"], payload["candidate_path"], seed, state, device
+        )
+    else:
+        model, _ = build_reference(task, seed)
+        model.load_state_dict(state)
+        model = model.to(device).eval()
+    calls = max(int(payload.get("calls", 3)), 1)
+    with torch.no_grad():
+        for _ in range(3):
+            model(*inputs)
+        synchronize(device)
+        torch.cuda.nvtx.range_push(NVTX_RANGE)
+        for _ in range(calls):
+            model(*inputs)
+        synchronize(device)
+        torch.cuda.nvtx.range_pop()
+    return {"calls": calls}

@@ -94,3 +94,36 @@ def test_python_dash_m_entry_point():
         [sys.executable, "-m", "kernelcrew", "--help"], capture_output=True, text=True, check=True
     )
     assert "verify" in out.stdout
+
+
+def test_profile_on_a_cpu_says_what_it_cannot_measure_and_gives_the_floor():
+    res = runner.invoke(
+        app,
+        [
+            "profile",
+            str(TASK),
+            "--candidate",
+            str(GOOD),
+            "--device",
+            "cpu",
+            "--json",
+            "--quick",
+            "--gpu",
+            "h100-sxm",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["candidate_verdict"]["verdict"] == "pass"
+    assert report["work"]["bytes"] > 0 and report["floor"]["floor_ms"] > 0
+    assert report["peaks"]["model"] == "h100-sxm" and report["peaks"]["sources"]["dram_gbs"]
+    assert any("no GPU here" in n for n in report["notes"])
+    assert report["ncu"]["reference"] is None or report["ncu"]["reference"]["available"] is False
+    assert all(v is None for v in report["sol_fraction"].values())  # CPU timings never against a GPU floor
+    assert report["hotspots"] and report["hotspot_clock"].startswith("cpu")
+    assert report["diagnosis"]["reference"]["bound"] in ("memory", "compute")
+
+
+def test_profile_rejects_an_unknown_gpu_model():
+    res = runner.invoke(app, ["profile", str(TASK), "--device", "cpu", "--gpu", "no-such-gpu"])
+    assert res.exit_code == 2 and "unknown GPU model" in res.output
