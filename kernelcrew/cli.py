@@ -458,6 +458,48 @@ def _print_profile(report: dict[str, Any]) -> None:
         out.print(f"[red]candidate failed verification[/] ({verdict['stage']}): {verdict['message']}")
 
 
+@app.command()
+def bench(
+    suite_dir: Annotated[Path, typer.Argument(help="A folder of task files (KernelBench format).")],
+    device: Annotated[Device, typer.Option(help="Where to run: cuda, cpu, or auto.")] = Device.auto,
+    tasks: Annotated[str, typer.Option(help="Comma list of task names (default: all).")] = "",
+    resume: Annotated[bool, typer.Option(help="Keep finished rows in OUT and run the rest.")] = False,
+    out: Annotated[Path, typer.Option(help="Where suite.json, suite.md and the runs go.")] = Path(
+        "bench-out"
+    ),
+    time_budget: Annotated[float, typer.Option(min=1, help="Seconds of crew time per task.")] = 90.0,
+    max_iters: Annotated[int, typer.Option(min=1, max=200, help="Steps per task at most.")] = 6,
+    max_wall: Annotated[
+        float | None, typer.Option(help="Start no new task after this many seconds (shards).")
+    ] = None,
+    compile_modes: Annotated[
+        str, typer.Option(help="torch.compile baselines: auto, none, or a list.")
+    ] = "auto",
+    quick: Annotated[bool, typer.Option(help="Few timing repetitions (fast, noisy).")] = False,
+) -> None:
+    """Run optimize on every task of a suite; a table (JSON + markdown) that resumes across shards."""
+    from kernelcrew.benchmark import markdown, run_bench
+
+    try:
+        data = run_bench(
+            suite_dir,
+            out,
+            device=resolve_device(device),
+            names=[t for t in tasks.split(",") if t] or None,
+            resume=resume,
+            time_budget_s=time_budget,
+            max_iters=max_iters,
+            max_wall_s=max_wall,
+            compile_modes=compile_modes,
+            quick=quick,
+            console=console,
+        )
+    except TaskError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    print(markdown(data))
+
+
 def _ask_guidance(step: int) -> str:
     """Read one line of guidance from the terminal (empty: go on)."""
     return typer.prompt(f"guidance before step {step} (enter to go on)", default="", show_default=False)

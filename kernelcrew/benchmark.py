@@ -1,0 +1,198 @@
+"""``kernelcrew bench``: ``optimize`` on every task of a suite, one row per task, resumable.
+
+A GPU lease may be shorter than a suite (the device machine here allows 10 minutes per command),
+so the run is sharded by design:
+
+* every finished task is written to ``OUT/suite.json`` (and ``suite.md``) at once;
+* ``--resume`` skips the tasks that already have a row, so the next command continues;
+* ``--max-wall S`` starts no new task once the command has run S seconds;
+* ``--tasks`` picks tasks by name.
+
+Each task runs the whole crew under its own time budget, with its run folder under ``OUT/runs``.
+The row format is the one the issue tracker fixed: ``{"device", "arch", "versions", "rows":
+[{"task", "eager_ms", "compile_ms", "best_ms", "speedup_eager", "speedup_compile", "sol_fraction",
+"strategy", "source_kind", "verified", "wall_s"}]}``, plus the status and stop reason per row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kernelcrew.task import TaskError
+
+
+def suite_tasks(suite_dir: Path, names: list[str] | None = None) -> list[Path]:
+    """The task files of a suite (``*.py``, sorted), or the named ones; unknown names are an error."""
+    if not suite_dir.is_dir():
+        raise TaskError(f"{suite_dir} is not a directory of task files")
+    found = {p.stem: p for p in sorted(suite_dir.glob("*.py")) if not p.name.startswith("_")}
+    if not found:
+        raise TaskError(f"no task files (*.py) in {suite_dir}")
+    if not names:
+        return list(found.values())
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise TaskError(f"unknown task(s) {', '.join(missing)} in {suite_dir} (known: {', '.join(found)})")
+    return [found[n] for n in names]
+
+
+def row_from_report(task: str, report: dict[str, Any] | None, wall_s: float) -> dict[str, Any]:
+    """One table row from an optimize report (``verified`` only for a candidate that passed)."""
+    if report is None:
+        return {"task": task, "verified": False, "status": "error", "wall_s": round(wall_s, 1)}
+    best = report.get("best") or {}
+    base = report.get("baseline") or {}
+    compiled = best.get("compile_ms") or base.get("compile_ms") or {}
+    compile_ms = min(compiled.values()) if compiled else None
+    fractions = (report.get("roofline") or {}).get("sol_fraction") or {}
+    return {
+        "task": task,
+        "status": report.get("status"),
+        "stop_reason": report.get("stop_reason"),
+        "eager_ms": best.get("eager_ms") or base.get("eager_ms"),
+        "compile_ms": compile_ms,
+        "best_ms": best.get("best_ms"),
+        "speedup_eager": best.get("speedup_eager"),
+        "speedup_compile": best.get("speedup_compile"),
+        "sol_fraction": fractions.get("best"),
+        "strategy": best.get("strategy"),
+        "source_kind": best.get("kind"),
+        "verified": bool(best),
+        "significant": best.get("significant"),
+        "wall_s": round(wall_s, 1),
+        "run_id": report.get("run_id"),
+    }
+
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def markdown(data: dict[str, Any]) -> str:
+    v = data.get("versions") or {}
+
+    def f(x: Any, spec: str = ".4g") -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = [
+        f"# kernelcrew bench: {data.get('suite')}",
+        "",
+        f"Device: {data.get('device')} ({data.get('arch')}); torch {v.get('torch')}, Triton {v.get('triton')}; "
+        f"clock: {data.get('clock')}.",
+        "",
+        "| task | status | eager ms | compile ms | best ms | vs eager | vs compile | SOL | strategy (kind) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['task']} | {r.get('status')} | {f(r.get('eager_ms'))} | {f(r.get('compile_ms'))} | "
+            f"{f(r.get('best_ms'))} | {f(r.get('speedup_eager'), '.3g')} | {f(r.get('speedup_compile'), '.3g')} | "
+            f"{f(r.get('sol_fraction'), '.0%')} | {r.get('strategy') or '-'} ({r.get('source_kind') or '-'}) | "
+            f"{r.get('wall_s')} |"
+        )
+    s = data.get("summary") or {}
+    lines += [
+        "",
+        f"Geometric mean over {s.get('tasks')} tasks with a verified best: {f(s.get('geomean_eager'), '.3g')}x over "
+        f"eager, {f(s.get('geomean_compile'), '.3g')}x over torch.compile; own kernels are the answer on "
+        f"{s.get('own_kernels')} tasks.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    verified = [r for r in rows if r.get("verified")]
+    return {
+        "tasks": len(verified),
+        "geomean_eager": geomean([r.get("speedup_eager") for r in verified]),
+        "geomean_compile": geomean([r.get("speedup_compile") for r in verified]),
+        "own_kernels": sum(1 for r in verified if r.get("source_kind") == "kernel"),
+    }
+
+
+def run_bench(
+    suite_dir: Path,
+    out_dir: Path,
+    *,
+    device: str,
+    names: list[str] | None = None,
+    resume: bool = False,
+    time_budget_s: float = 90.0,
+    max_iters: int = 6,
+    max_wall_s: float | None = None,
+    compile_modes: str = "auto",
+    quick: bool = False,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Run the suite (or its remaining tasks) and return the table written to ``out_dir``."""
+    from kernelcrew.agents.run import OptimizeRequest, run_optimize
+    from kernelcrew.tools import hardware
+
+    out = console or Console(stderr=True)
+    tasks = suite_tasks(suite_dir, names)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table_path = out_dir / "suite.json"
+    previous: dict[str, Any] = {}
+    if resume and table_path.exists():
+        try:
+            previous = json.loads(table_path.read_text())
+        except ValueError as exc:
+            raise TaskError(
+                f"{table_path} is not a bench table ({exc}); move it away or run without --resume"
+            ) from exc
+    rows = {r["task"]: r for r in previous.get("rows", [])} if resume else {}
+    info = hardware.detect(device)
+    data: dict[str, Any] = {
+        "suite": str(suite_dir),
+        "device": info.name,
+        "model": info.model,
+        "arch": info.arch,
+        "clock": "cuda-event" if info.is_cuda else "cpu-wall (Triton interpreter: not GPU speedups)",
+        "versions": hardware.versions(),
+        "settings": {"time_budget_s": time_budget_s, "max_iters": max_iters, "compile_modes": compile_modes},
+    }
+    started = time.monotonic()
+    for path in tasks:
+        if path.stem in rows:
+            out.print(f"[dim]{path.stem}: done in an earlier shard, skipped[/]")
+            continue
+        if max_wall_s is not None and time.monotonic() - started > max_wall_s:
+            out.print(f"[yellow]--max-wall {max_wall_s:g} s reached: run again with --resume to continue[/]")
+            break
+        t0 = time.monotonic()
+        try:
+            report = run_optimize(
+                OptimizeRequest(
+                    task=path,
+                    device=device,
+                    max_iters=max_iters,
+                    time_budget_s=time_budget_s,
+                    out=out_dir / "runs" / path.stem,
+                    compile_modes=compile_modes,
+                    quick=quick,
+                ),
+                console=out,
+            )
+        except TaskError as exc:  # a broken task is a row with its error, not the end of the suite
+            out.print(f"[red]{path.stem}: {exc}[/]")
+            report = None
+            rows[path.stem] = {**row_from_report(path.stem, None, time.monotonic() - t0), "error": str(exc)}
+        else:
+            rows[path.stem] = row_from_report(path.stem, report, time.monotonic() - t0)
+        data["rows"] = [rows[p.stem] for p in suite_tasks(suite_dir) if p.stem in rows]
+        data["summary"] = summarize(data["rows"])
+        tmp = table_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2, default=str))
+        tmp.replace(table_path)
+        (out_dir / "suite.md").write_text(markdown(data))
+    data.setdefault("rows", [rows[p.stem] for p in suite_tasks(suite_dir) if p.stem in rows])
+    data.setdefault("summary", summarize(data["rows"]))
+    return data

@@ -1,0 +1,67 @@
+"""`kernelcrew bench`: a row per task in the agreed format, resumable across shards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from typer.testing import CliRunner
+
+from kernelcrew.benchmark import geomean, row_from_report, suite_tasks
+from kernelcrew.cli import app
+from tests.conftest import FIXTURES
+
+runner = CliRunner()
+ROW_KEYS = {
+    "task",
+    "eager_ms",
+    "compile_ms",
+    "best_ms",
+    "speedup_eager",
+    "speedup_compile",
+    "sol_fraction",
+    "strategy",
+    "source_kind",
+    "verified",
+    "wall_s",
+}
+
+
+def test_bench_writes_rows_and_resumes(tmp_path):
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    shutil.copy(FIXTURES / "tasks" / "pointwise.py", suite / "pointwise.py")
+    (suite / "broken.py").write_text("import torch\nclass Model(:\n")
+    out = tmp_path / "out"
+    args = ["bench", str(suite), "--device", "cpu", "--out", str(out), "--max-iters", "1"]
+    args += ["--compile-modes", "none", "--quick"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "suite.json").read_text())
+    assert {"device", "arch", "versions", "rows"} <= set(data)
+    rows = {r["task"]: r for r in data["rows"]}
+    assert set(rows["pointwise"]) >= ROW_KEYS
+    assert rows["pointwise"]["verified"] and rows["pointwise"]["source_kind"] in (
+        "kernel",
+        "library",
+        "compiler",
+    )
+    assert rows["broken"]["verified"] is False and "broken.py:2: syntax error" in rows["broken"]["error"]
+    assert (out / "suite.md").read_text().count("| pointwise |") == 1
+    again = runner.invoke(app, [*args, "--resume"])
+    assert again.exit_code == 0 and again.output.count("skipped") == 2
+    assert json.loads((out / "suite.json").read_text())["rows"] == data["rows"]
+
+
+def test_unknown_task_names_and_empty_suites_are_clear_errors(tmp_path):
+    res = runner.invoke(app, ["bench", str(tmp_path), "--device", "cpu"])
+    assert res.exit_code == 2 and "no task files" in res.output
+    (tmp_path / "a.py").write_text("x = 1\n")
+    res = runner.invoke(app, ["bench", str(tmp_path), "--device", "cpu", "--tasks", "b"])
+    assert res.exit_code == 2 and "unknown task(s) b" in res.output
+    assert [p.name for p in suite_tasks(tmp_path)] == ["a.py"]
+
+
+def test_rows_and_geomean():
+    assert row_from_report("t", None, 1.0)["verified"] is False
+    assert geomean([2.0, 8.0]) == 4.0 and geomean([]) is None
