@@ -171,7 +171,7 @@ def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candi
     if bench.get("clock") == "cpu-wall":
         timed.flags = [*timed.flags, "CPU timings (wall clock): not GPU speedups"]
     else:
-        timed = _check_floor(state, ctx, timed, bench)
+        timed = _check_floor(state, ctx, timed)
     ctx.emit(
         "timing",
         candidate=cand.id,
@@ -185,7 +185,7 @@ def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candi
     return timed
 
 
-def _check_floor(state: CrewState, ctx: CrewContext, timed: Candidate, bench: dict[str, Any]) -> Candidate:
+def _check_floor(state: CrewState, ctx: CrewContext, timed: Candidate) -> Candidate:
     """Fraction of speed of light, and the suspect rule: a time under ``suspect_floor_ratio`` x the
     floor is faster than the hardware allows, so it is measured a second time; it counts only if the
     second measurement confirms it, and stays flagged in the report either way."""

@@ -189,10 +189,10 @@ def test_a_time_below_the_floor_is_measured_again(second_ms, confirmed):
     state = CrewState(task_source="", options=Options(device="cuda"), baseline={"floor": {"floor_ms": 1.0}})
     bench = _Bench(second_ms)
     cand = Candidate(id="c", strategy="s", source_kind="kernel", source="", time_ms=0.5, speedup_eager=4.0)
-    out = _check_floor(state, _Ctx(bench), cand, {})
+    out = _check_floor(state, _Ctx(bench), cand)
     assert bench.calls == 1
     assert any("suspect" in f for f in out.flags)
     assert out.time_ms == (0.5 if confirmed else 1.5)
     assert ("confirmed (" in out.flags[-1]) is confirmed
     normal = Candidate(id="c", strategy="s", source_kind="kernel", source="", time_ms=2.0)
-    assert _check_floor(state, _Ctx(bench), normal, {}).flags == [] and bench.calls == 1
+    assert _check_floor(state, _Ctx(bench), normal).flags == [] and bench.calls == 1
