@@ -1,0 +1,342 @@
+"""The worker inventory: which workers are online, their GPU, queues, ncu capability and current task.
+
+Each worker publishes a record (:class:`WorkerInfo`) to Redis under a key that expires after three
+missed heartbeats, so a worker that dies (SIGKILL, power loss) drops out by itself and one that
+shuts down cleanly removes its record at once. The task a worker is running is written by the
+process running it, when it starts, so :func:`list_workers` shows it without waiting for a beat.
+
+What a worker reports is probed once, before it starts, by ``kernelcrew worker`` (its supervisor):
+:func:`describe_machine` detects GPUs and versions in a child interpreter (the supervisor and the
+Celery worker never create a CUDA context themselves: a forked worker process must not inherit one),
+and :func:`probe_ncu` runs Nsight Compute on a tiny kernel to learn whether hardware counters can be
+read (``ncu --query-metrics`` succeeds without that permission, so only a real profile tells).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from kernelcrew.config import Settings, get_settings
+from kernelcrew.worker import store
+
+log = logging.getLogger(__name__)
+
+#: Environment variable by which the supervisor hands a worker what it probed (JSON).
+INFO_ENV = "KERNELCREW_WORKER_INFO"
+
+#: A record expires after this many missed heartbeats.
+MISSED_BEATS = 3
+
+
+@dataclass
+class WorkerInfo:
+    """One worker process (one GPU, or the CPU) as the API lists it."""
+
+    hostname: str
+    """Celery node name, unique per GPU: ``kc-gpu0@host``."""
+    host: str
+    """The machine."""
+    pid: int
+    """The worker's main process."""
+    queues: list[str]
+    device: str
+    """``cuda`` or ``cpu``."""
+    gpu: dict[str, Any] | None = None
+    """``HardwareInfo.to_dict()`` of its GPU (name, model, arch, memory, ...); None on a CPU worker."""
+    ncu: dict[str, Any] = field(default_factory=dict)
+    """``{"counters": True | False | None, "detail": ..., "version": ...}``: None is unknown."""
+    versions: dict[str, Any] = field(default_factory=dict)
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    current: dict[str, Any] | None = None
+    """The task it runs: ``{task_id, op, job_id, attempt, pid, started_at}``; None when idle."""
+
+    @property
+    def model(self) -> str:
+        return self.gpu["model"] if self.gpu else "cpu"
+
+    @property
+    def arch(self) -> str:
+        return self.gpu["arch"] if self.gpu else "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "model": self.model, "arch": self.arch}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerInfo:
+        names = cls.__dataclass_fields__.keys()
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# ----------------------------------------------------------------------------------------------
+# Publishing and listing
+# ----------------------------------------------------------------------------------------------
+
+
+def publish(r: redis.Redis, info: WorkerInfo, ttl_s: float) -> None:
+    """Write (or refresh) a worker's record; it expires after ``ttl_s`` without a refresh."""
+    info.heartbeat_at = time.time()
+    record = info.to_dict()
+    record.pop("current", None)  # written by the process running the task, not the heartbeat
+    pipe = r.pipeline(transaction=True)
+    pipe.set(store.worker_key(info.hostname), json.dumps(record), px=max(1, int(ttl_s * 1000)))
+    pipe.zadd(store.WORKERS_INDEX, {info.hostname: info.heartbeat_at})
+    pipe.execute()
+
+
+def remove(r: redis.Redis, hostname: str) -> None:
+    """Take a worker off the inventory (clean shutdown)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(store.worker_key(hostname), store.current_key(hostname))
+    pipe.zrem(store.WORKERS_INDEX, hostname)
+    pipe.execute()
+
+
+def list_workers(settings: Settings | None = None, *, client: redis.Redis | None = None) -> list[WorkerInfo]:
+    """The workers online now, sorted by hostname; hostnames whose record expired are pruned."""
+    r = client or store.client((settings or get_settings()).broker_url)
+    hostnames = r.zrange(store.WORKERS_INDEX, 0, -1)
+    if not hostnames:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for hostname in hostnames:
+        pipe.get(store.worker_key(hostname))
+        pipe.get(store.current_key(hostname))
+    values = pipe.execute()
+    workers, gone = [], []
+    for i, hostname in enumerate(hostnames):
+        raw, current = values[2 * i], values[2 * i + 1]
+        if raw is None:
+            gone.append(hostname)
+            continue
+        info = WorkerInfo.from_dict(json.loads(raw))
+        info.current = json.loads(current) if current else None
+        workers.append(info)
+    if gone:
+        # Only drop names that are still expired now: a worker may have come back meanwhile.
+        for hostname in gone:
+            if not r.exists(store.worker_key(hostname)):
+                r.zrem(store.WORKERS_INDEX, hostname)
+    return sorted(workers, key=lambda w: w.hostname)
+
+
+class Heartbeat:
+    """Publishes one worker's record now and every ``interval_s`` until stopped.
+
+    ``beat`` is meant to be called from the worker's own event loop (a Celery timer), so no extra
+    thread runs in a process that forks; :meth:`start_thread` exists for processes that do not fork.
+    """
+
+    def __init__(self, r: redis.Redis, info: WorkerInfo, interval_s: float) -> None:
+        self.r = r
+        self.info = info
+        self.interval_s = interval_s
+        self.ttl_s = interval_s * MISSED_BEATS
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        """Refresh the record; a Redis error is logged and the next beat tries again."""
+        try:
+            publish(self.r, self.info, self.ttl_s)
+        except redis.RedisError as exc:
+            log.warning("inventory heartbeat of %s failed: %s", self.info.hostname, exc)
+
+    def start_thread(self) -> None:
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.beat()
+                self._stop.wait(self.interval_s)
+
+        self._thread = threading.Thread(target=loop, name=f"heartbeat-{self.info.hostname}", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, remove_record: bool = True) -> None:
+        """Stop beating; with ``remove_record`` the worker leaves the inventory at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+        if remove_record:
+            try:
+                remove(self.r, self.info.hostname)
+            except redis.RedisError as exc:
+                log.warning("could not remove %s from the inventory: %s", self.info.hostname, exc)
+
+
+# ----------------------------------------------------------------------------------------------
+# What a worker reports: machine probe, ncu probe
+# ----------------------------------------------------------------------------------------------
+
+
+def _probe_main() -> None:
+    """Child side of :func:`describe_machine`: print the devices and versions as JSON."""
+    from kernelcrew.tools import hardware
+
+    print(
+        json.dumps(
+            {
+                "devices": [info.to_dict() for info in hardware.detect_all()],
+                "versions": hardware.versions(),
+            }
+        )
+    )
+
+
+def describe_machine(timeout_s: float = 120.0) -> dict[str, Any]:
+    """``{"devices": [HardwareInfo dicts], "versions": {...}}`` of this machine, probed in a child
+    interpreter so this process never creates a CUDA context. ``devices`` is the visible GPUs in
+    index order, or the CPU alone. Raises ``RuntimeError`` when the probe fails."""
+    cmd = [sys.executable, "-c", "from kernelcrew.worker.inventory import _probe_main; _probe_main()"]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"detecting the GPUs took longer than {timeout_s:g} s") from exc
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"detecting the GPUs failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+_NCU_SNIPPET = (
+    "import torch\n"
+    "x = torch.arange(4096, device='cuda', dtype=torch.float32)\n"
+    "(x * 2.0 + 1.0).sum().item()\n"
+    "torch.cuda.synchronize()\n"
+)
+_NCU_METRIC = "sm__cycles_elapsed.avg"
+_ncu_cache: dict[tuple[str, str, str], dict[str, Any]] = {}
+_ncu_lock = threading.Lock()
+
+
+def find_ncu() -> str | None:
+    """The ``ncu`` executable: on PATH, else under CUDA_HOME or /usr/local/cuda."""
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        if root and os.access(os.path.join(root, "bin", "ncu"), os.X_OK):
+            return os.path.join(root, "bin", "ncu")
+    return None
+
+
+def probe_ncu(device: str, *, visible_device: str | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Whether Nsight Compute can read hardware counters on this GPU: ``{"counters": True | False |
+    None, "detail": str, "version": str | None}`` (None: could not tell).
+
+    Profiles one tiny kernel with one metric, pinned to ``visible_device`` (a CUDA_VISIBLE_DEVICES
+    value), within ``timeout_s``; the answer is cached per (ncu, device) for this process.
+    """
+    if device != "cuda":
+        return {"counters": False, "detail": "no GPU: nothing to profile", "version": None}
+    ncu = find_ncu()
+    if ncu is None:
+        return {"counters": False, "detail": "ncu (Nsight Compute) not found on PATH", "version": None}
+    key = (ncu, visible_device or "", device)
+    with _ncu_lock:
+        if key in _ncu_cache:
+            return _ncu_cache[key]
+    result = _run_ncu_probe(ncu, visible_device, timeout_s)
+    with _ncu_lock:
+        _ncu_cache[key] = result
+    return result
+
+
+def _run_ncu_probe(ncu: str, visible_device: str | None, timeout_s: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    if visible_device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_device
+    version = None
+    try:
+        out = subprocess.run(
+            [ncu, "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+        ).stdout
+        match = re.search(r"Version\s+([\w.]+)", out)
+        version = match.group(1) if match else (out.strip().splitlines() or [None])[-1]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    cmd = [
+        ncu,
+        "--target-processes",
+        "all",
+        "--launch-count",
+        "1",
+        "--metrics",
+        _NCU_METRIC,
+        "--csv",
+        sys.executable,
+        "-c",
+        _NCU_SNIPPET,
+    ]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, env=env, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        return {"counters": None, "detail": f"probe timed out after {timeout_s:g} s", "version": version}
+    except OSError as exc:
+        return {"counters": None, "detail": f"could not run ncu: {exc}", "version": version}
+    text = proc.stdout + "\n" + proc.stderr
+    return {**_read_ncu_probe(text, proc.returncode), "version": version}
+
+
+def _read_ncu_probe(text: str, returncode: int) -> dict[str, Any]:
+    """Interpret the output of the ncu probe: counters readable, refused, or unknown."""
+    if "ERR_NVGPUCTRPERM" in text:
+        return {
+            "counters": False,
+            "detail": "no permission to read GPU performance counters (ERR_NVGPUCTRPERM): "
+            "run as root or set NVreg_RestrictProfilingToAdminUsers=0",
+        }
+    if re.search(rf'"{re.escape(_NCU_METRIC)}"\s*,\s*"[^"]*"\s*,\s*"[\d.,]+"', text):
+        return {"counters": True, "detail": f"ncu read {_NCU_METRIC} on a test kernel"}
+    tail = " ".join(text.strip().splitlines()[-3:])[-300:]
+    return {"counters": None, "detail": f"ncu probe inconclusive (exit {returncode}): {tail}"}
+
+
+def own_info(hostname: str, queues: list[str], settings: Settings | None = None) -> WorkerInfo:
+    """This worker's record: what its supervisor probed (``KERNELCREW_WORKER_INFO``), else probed now."""
+    raw = os.environ.get(INFO_ENV)
+    if raw:
+        probed = json.loads(raw)
+    else:
+        s = settings or get_settings()
+        machine = describe_machine(timeout_s=s.ncu_probe_timeout_s)
+        device = machine["devices"][0]
+        probed = {
+            "device": device["device"],
+            "gpu": device if device["device"] == "cuda" else None,
+            "ncu": probe_ncu(
+                device["device"],
+                visible_device=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                timeout_s=s.ncu_probe_timeout_s,
+            ),
+            "versions": machine["versions"],
+        }
+    return WorkerInfo(
+        hostname=hostname,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        queues=list(queues),
+        device=probed["device"],
+        gpu=probed.get("gpu"),
+        ncu=probed.get("ncu", {}),
+        versions=probed.get("versions", {}),
+        started_at=time.time(),
+    )
