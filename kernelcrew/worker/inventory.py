@@ -183,16 +183,17 @@ class Heartbeat:
 
 def _probe_main() -> None:
     """Child side of :func:`describe_machine`: print the devices and versions as JSON."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from kernelcrew.tools import hardware
 
-    print(
-        json.dumps(
-            {
-                "devices": [info.to_dict() for info in hardware.detect_all()],
-                "versions": hardware.versions(),
-            }
-        )
-    )
+    versions = hardware.versions()
+    for package in ("kernelcrew", "celery"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    print(json.dumps({"devices": [info.to_dict() for info in hardware.detect_all()], "versions": versions}))
 
 
 def describe_machine(timeout_s: float = 120.0) -> dict[str, Any]:

@@ -18,12 +18,15 @@ import ctypes.util
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("kernelcrew.worker")
@@ -156,7 +159,12 @@ class Supervisor:
         self._signals += 1
 
     def _start(self, slot: _Slot) -> None:
-        env = {**os.environ, **slot.spec.env}
+        # The worker's temporary files (goldens) live in a directory of its own, emptied before each
+        # start: the previous process is dead by then, so what a killed worker left goes away.
+        tmp = Path(tempfile.gettempdir()) / f"kernelcrew-{slot.spec.hostname}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o755)
+        env = {**os.environ, **slot.spec.env, "TMPDIR": str(tmp)}
         slot.proc = subprocess.Popen(
             slot.spec.command(self.loglevel),
             env=env,
@@ -234,6 +242,10 @@ class Supervisor:
                 if not stopping and slot.proc is None and now >= slot.restart_at:
                     self._start(slot)
             if stopping and all(slot.proc is None for slot in self.slots):
+                for slot in self.slots:
+                    shutil.rmtree(
+                        Path(tempfile.gettempdir()) / f"kernelcrew-{slot.spec.hostname}", ignore_errors=True
+                    )
                 return 0
             if now > deadline:
                 log.warning(

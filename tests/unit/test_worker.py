@@ -10,7 +10,7 @@ from kernelcrew.config import Settings
 from kernelcrew.task import TaskError
 from kernelcrew.tools.executor import ExecutorError, LocalExecutor
 from kernelcrew.worker.errors import NoWorkerOnline, WorkerError, WorkerLost, WorkerTimeout
-from kernelcrew.worker.executor import _unwrap
+from kernelcrew.worker.executor import _failure, _unwrap
 from kernelcrew.worker.inventory import INFO_ENV, WorkerInfo, _read_ncu_probe, probe_ncu
 from kernelcrew.worker.routing import GpuRequest, pick_queue
 from kernelcrew.worker.supervisor import WorkerSpec, backoff_s, plan_workers
@@ -371,3 +371,29 @@ def test_local_executor_keeps_at_most_max_goldens(monkeypatch):
     assert sorted(cleaned) == [1, 2, 2, 3]
     with pytest.raises(ValueError):
         LocalExecutor(Settings(), max_goldens=0)
+
+
+def test_celery_failures_become_worker_errors():
+    from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+
+    settings = Settings(task_soft_time_limit_s=10, task_time_limit_s=12)
+    timeout = _failure("benchmark", TimeLimitExceeded(12), settings)
+    assert isinstance(timeout, WorkerTimeout) and "hard time limit of 12 s" in str(timeout)
+    lost = _failure("verify", WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)"), settings)
+    assert isinstance(lost, WorkerLost) and "SIGKILL" in str(lost)
+    other = _failure("profile", RuntimeError("boom"), settings)
+    assert type(other) is WorkerError and "RuntimeError: boom" in str(other)
+
+
+def test_the_graph_and_the_cli_never_import_celery():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kernelcrew.cli, kernelcrew.agents.graph, kernelcrew.agents.run; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('celery', 'kombu', 'redis')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
