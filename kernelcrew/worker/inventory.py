@@ -149,9 +149,14 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
-        """Refresh the record; a Redis error is logged and the next beat tries again."""
+        """Refresh the record and drop a current task whose process died (it was killed mid-task);
+        a Redis error is logged and the next beat tries again."""
         try:
             publish(self.r, self.info, self.ttl_s)
+            raw = self.r.get(store.current_key(self.info.hostname))
+            pid = json.loads(raw).get("pid") if raw else None
+            if pid and not _pid_alive(int(pid)):
+                self.r.delete(store.current_key(self.info.hostname))
         except redis.RedisError as exc:
             log.warning("inventory heartbeat of %s failed: %s", self.info.hostname, exc)
 
@@ -174,6 +179,21 @@ class Heartbeat:
                 remove(self.r, self.info.hostname)
             except redis.RedisError as exc:
                 log.warning("could not remove %s from the inventory: %s", self.info.hostname, exc)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 # ----------------------------------------------------------------------------------------------

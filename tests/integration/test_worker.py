@@ -418,8 +418,16 @@ def test_inventory_heartbeat_appears_and_expires(redis_client):
     assert redis_client.zscore(store.WORKERS_INDEX, "ghost@test") is None  # pruned from the index
 
     beat = Heartbeat(redis_client, info, interval_s=5)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    store.set_current(redis_client, "ghost@test", {"task_id": "t1", "pid": os.getpid()}, ttl_s=60)
     beat.beat()
-    assert any(w.hostname == "ghost@test" for w in list_workers(client=redis_client))
+    (ghost,) = [w for w in list_workers(client=redis_client) if w.hostname == "ghost@test"]
+    assert ghost.current == {"task_id": "t1", "pid": os.getpid()}  # its process runs: kept
+    store.set_current(redis_client, "ghost@test", {"task_id": "t2", "pid": dead.pid}, ttl_s=60)
+    beat.beat()  # the process running it was killed: the heartbeat drops the stale record
+    (ghost,) = [w for w in list_workers(client=redis_client) if w.hostname == "ghost@test"]
+    assert ghost.current is None
     beat.stop()  # a clean shutdown leaves at once
     assert all(w.hostname != "ghost@test" for w in list_workers(client=redis_client))
 
