@@ -178,7 +178,7 @@ class CeleryExecutor:
                     f"+ the queue timeout"
                 )
         state, value = result.state, result.result
-        if state == states.SUCCESS:
+        if state == states.SUCCESS and isinstance(value, dict):
             self.last_call.update(attempt=value.get("attempt", seen), hostname=value.get("hostname"))
         result.forget()
         if state == states.SUCCESS:
