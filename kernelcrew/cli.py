@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernelcrew.task import TaskError, read_source
+from kernelcrew.worker.cli import worker
 
 app = typer.Typer(
     help="kernelcrew: verified, faster GPU kernels for PyTorch modules.",
@@ -562,3 +563,6 @@ def _print_report(report: dict[str, Any]) -> None:
     for failure in report["failures"][:5]:
         out.print(f"  [red]x[/] [{failure['stage']}] {failure['message']}")
     out.print(f"reproduce: {report['reproduce']}")
+
+
+app.command()(worker)

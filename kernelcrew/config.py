@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -58,6 +58,54 @@ class Settings(BaseSettings):
     suspect_floor_ratio: float = Field(
         0.9, gt=0, le=1, description="A time below this fraction of the speed-of-light floor is suspect."
     )
+    # Workers (kernelcrew/worker): Celery over Redis. Every task has a soft limit (a clean timeout
+    # error) and a hard limit (its process is killed). Redis hands an unacknowledged task to another
+    # worker only after the visibility timeout, the hard limit plus a margin, so a task that is still
+    # running is never run twice, and a lost worker's task comes back at most task_max_attempts times.
+    broker_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="Redis: Celery broker, result backend, worker inventory."
+    )
+    task_soft_time_limit_s: float = Field(1200.0, gt=0, description="A task past this gets a timeout error.")
+    task_time_limit_s: float = Field(1260.0, gt=0, description="A task past this has its process killed.")
+    visibility_margin_s: float = Field(
+        60.0, gt=0, description="Visibility timeout = hard limit + this: when a lost task is redelivered."
+    )
+    task_max_attempts: int = Field(
+        3, ge=1, description="Deliveries of one task (a worker lost each time) before it fails."
+    )
+    task_queue_timeout_s: float = Field(
+        3600.0, gt=0, description="How long a call waits in its queue for a worker to start it."
+    )
+    result_expires_s: int = Field(
+        86400, gt=0, description="Task results and attempt records are kept this long."
+    )
+    worker_heartbeat_s: float = Field(
+        10.0, gt=0, description="Inventory refresh; a worker missing 3 beats is offline."
+    )
+    worker_restore_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often a worker redelivers tasks of lost workers past the visibility timeout.",
+    )
+    worker_max_tasks_per_child: int = Field(
+        200, ge=1, description="Tasks before a worker process is recycled."
+    )
+    worker_max_goldens: int = Field(8, ge=1, description="Goldens a worker process keeps for later calls.")
+    ncu_probe_timeout_s: float = Field(120.0, gt=0, description="Limit of the ncu hardware-counter probe.")
+
+    @property
+    def visibility_timeout_s(self) -> float:
+        """Seconds before Redis redelivers an unacknowledged task: just above the hard limit."""
+        return self.task_time_limit_s + self.visibility_margin_s
+
+    @model_validator(mode="after")
+    def _hard_limit_above_soft(self) -> Settings:
+        if self.task_time_limit_s <= self.task_soft_time_limit_s:
+            raise ValueError(
+                f"KERNELCREW_TASK_TIME_LIMIT_S ({self.task_time_limit_s:g}) must be above "
+                f"KERNELCREW_TASK_SOFT_TIME_LIMIT_S ({self.task_soft_time_limit_s:g})"
+            )
+        return self
 
     # LLM (kernelcrew/agents/llm.py). Empty `llm` means auto: the offline playbook unless an API key
     # (or llm_base_url) is set. Keys are SecretStr so they never print.

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections import OrderedDict
 from typing import Any, Protocol
 
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.task import TaskError
 from kernelcrew.tools import sandbox
+
+
+class ExecutorError(RuntimeError):
+    """The executor could not complete an operation for a reason that is not the task's fault:
+    no worker online, a worker lost, a time limit hit. (A bad task or candidate is a ``TaskError``.)"""
 
 
 class Executor(Protocol):
@@ -53,17 +59,29 @@ def _key(request: dict[str, Any]) -> tuple[str, str, str, int]:
 
 
 class LocalExecutor:
-    """Runs every operation on this machine, each in sandboxed child processes."""
+    """Runs every operation on this machine, each in sandboxed child processes.
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    ``max_goldens`` bounds the goldens kept (least recently used first out), for a long-lived
+    process such as a GPU worker that serves many jobs; None keeps every golden until ``close``.
+    """
+
+    def __init__(self, settings: Settings | None = None, *, max_goldens: int | None = None) -> None:
+        if max_goldens is not None and max_goldens < 1:
+            raise ValueError(f"max_goldens must be at least 1, got {max_goldens}")
         self.settings = settings or get_settings()
-        self._goldens: dict[tuple[str, str, str, int], Any] = {}
+        self.max_goldens = max_goldens
+        self._goldens: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
 
     def golden(self, request: dict[str, Any]) -> Any:
         from kernelcrew.tools.correctness import make_golden
 
         key = _key(request)
-        if key not in self._goldens:
+        if key in self._goldens:
+            self._goldens.move_to_end(key)
+        else:
+            while self.max_goldens is not None and len(self._goldens) >= self.max_goldens:
+                _, oldest = self._goldens.popitem(last=False)
+                oldest.cleanup()
             self._goldens[key] = make_golden(
                 request["task_source"],
                 device=request["device"],

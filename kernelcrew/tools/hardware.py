@@ -15,6 +15,48 @@ import torch
 
 _GIB = 1024**3
 
+#: The work queue of machines without a GPU; GPU queues are ``gpu.<model>`` and ``gpu.<arch>``.
+CPU_QUEUE = "cpu"
+GPU_QUEUE_PREFIX = "gpu."
+
+#: Architecture of the GPU models :func:`model_slug` knows, so a request for a model no worker has can
+#: fall back to a worker of the same architecture.
+MODEL_ARCH = {
+    "h100-sxm": "sm_90",
+    "h100-pcie": "sm_90",
+    "h100-nvl": "sm_90",
+    "h100": "sm_90",
+    "h200": "sm_90",
+    "h200-nvl": "sm_90",
+    "gh200": "sm_90",
+    "h800-sxm": "sm_90",
+    "h800-pcie": "sm_90",
+    "h800": "sm_90",
+    "a100-sxm": "sm_80",
+    "a100-pcie": "sm_80",
+    "a100": "sm_80",
+    "a800-sxm": "sm_80",
+    "a800-pcie": "sm_80",
+    "a800": "sm_80",
+    "a10": "sm_86",
+    "a40": "sm_86",
+    "rtx-a6000": "sm_86",
+    "rtx-3090": "sm_86",
+    "rtx-3090-ti": "sm_86",
+    "l4": "sm_89",
+    "l40": "sm_89",
+    "l40s": "sm_89",
+    "rtx-4090": "sm_89",
+    "rtx-6000-ada-generation": "sm_89",
+    "t4": "sm_75",
+    "v100-sxm": "sm_70",
+    "v100-pcie": "sm_70",
+    "v100": "sm_70",
+    "b200": "sm_100",
+    "gb200": "sm_100",
+    "rtx-5090": "sm_120",
+}
+
 
 @dataclass
 class HardwareInfo:
@@ -41,6 +83,14 @@ class HardwareInfo:
         if self.compute_capability is not None:
             data["compute_capability"] = list(self.compute_capability)
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareInfo:
+        """The inverse of :meth:`to_dict` (unknown keys are ignored)."""
+        values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if values.get("compute_capability") is not None:
+            values["compute_capability"] = tuple(values["compute_capability"])
+        return cls(**values)
 
 
 def _slugify(text: str) -> str:
@@ -236,8 +286,21 @@ def versions() -> dict[str, Any]:
     }
 
 
+def detect_all() -> list[HardwareInfo]:
+    """Every visible CUDA GPU in index order, or the CPU alone on a machine without one."""
+    if not torch.cuda.is_available():
+        return [detect("cpu")]
+    return [detect(f"cuda:{index}") for index in range(torch.cuda.device_count())]
+
+
+def arch_of_model(model: str) -> str | None:
+    """The architecture (``sm_90``) of a GPU model slug, MIG slices included; None when unknown."""
+    base = re.sub(r"-mig(-.*)?$", "", model.strip().lower())
+    return MODEL_ARCH.get(base)
+
+
 def queue_names(info: HardwareInfo) -> list[str]:
     """Work queues a worker on this device serves: by model, then by architecture (``["cpu"]`` on the CPU)."""
     if info.device == "cpu":
-        return ["cpu"]
-    return [f"gpu.{info.model}", f"gpu.{info.arch}"]
+        return [CPU_QUEUE]
+    return [f"{GPU_QUEUE_PREFIX}{info.model}", f"{GPU_QUEUE_PREFIX}{info.arch}"]

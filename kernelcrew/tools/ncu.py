@@ -514,12 +514,13 @@ def probe_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     return {}
 
 
-@functools.lru_cache(maxsize=1)
-def capability(timeout_s: float = 180.0) -> dict[str, Any]:
+@functools.lru_cache(maxsize=8)
+def capability(timeout_s: float = 180.0, visible_device: str | None = None) -> dict[str, Any]:
     """Whether ncu can read hardware counters here, as the sandbox user (workers advertise it).
 
-    ``{"available": bool, "version": str | None, "reason": str}``; the probe profiles one tiny
-    kernel, since ncu being installed says nothing about counter permissions in a container.
+    ``{"available": bool | None, "version": str | None, "reason": str}`` (None: could not tell);
+    the probe profiles one tiny kernel on ``visible_device`` (a CUDA_VISIBLE_DEVICES value), since
+    ncu being installed says nothing about counter permissions in a container. Cached per device.
     """
     from kernelcrew.tools import sandbox
 
@@ -531,6 +532,7 @@ def capability(timeout_s: float = 180.0) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"available": False, "version": version, "reason": "no CUDA GPU visible"}
     s = get_settings()
+    env = {"CUDA_VISIBLE_DEVICES": visible_device} if visible_device is not None else None
     workdir = sandbox.make_workdir("kc-ncu-probe-")
     try:
         log_file = workdir / "child" / "ncu.csv"
@@ -540,6 +542,7 @@ def capability(timeout_s: float = 180.0) -> dict[str, Any]:
             {},
             limits=limits,
             workdir=workdir,
+            env=env,
             settings=s,
             wrapper=wrapper(log_file, clock_control=s.ncu_clock_control),
         )
@@ -555,5 +558,9 @@ def capability(timeout_s: float = 180.0) -> dict[str, Any]:
     try:
         parse_csv(text)
     except NcuError as exc:
-        return {"available": False, "version": version, "reason": f"{exc} ({res.message or res.status})"}
+        return {
+            "available": None,
+            "version": version,
+            "reason": f"inconclusive: {exc} ({res.message or res.status})",
+        }
     return {"available": True, "version": version, "reason": "profiled a probe kernel"}

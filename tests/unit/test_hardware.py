@@ -128,3 +128,39 @@ def test_versions() -> None:
 def test_versions_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hardware.shutil, "which", lambda name: None)
     assert versions()["driver"] is None
+
+
+@pytest.mark.parametrize(
+    ("model", "arch"),
+    [
+        ("h100-sxm", "sm_90"),
+        ("h200", "sm_90"),
+        ("a100-pcie", "sm_80"),
+        ("l40s", "sm_89"),
+        ("rtx-4090", "sm_89"),
+        ("h100-sxm-mig-1g-10gb", "sm_90"),
+        ("t4", "sm_75"),
+        ("some-future-gpu-x1", None),
+    ],
+)
+def test_arch_of_model(model: str, arch: str | None) -> None:
+    assert hardware.arch_of_model(model) == arch
+
+
+def test_every_known_model_slug_has_an_architecture() -> None:
+    for name, memory_gib in [("NVIDIA H100 80GB HBM3", 80), ("NVIDIA A100-SXM4-80GB", 80), ("NVIDIA L4", 24)]:
+        assert hardware.arch_of_model(model_slug(name, memory_gib * GIB)) is not None
+
+
+def test_hardware_info_round_trips_through_json() -> None:
+    info = HardwareInfo(
+        "cuda", "NVIDIA H100 80GB HBM3", "h100-sxm", "sm_90", (9, 0), 132, 80 * GIB, None, 16, 0
+    )
+    again = HardwareInfo.from_dict(json.loads(json.dumps({**info.to_dict(), "extra": 1})))
+    assert again == info
+    assert HardwareInfo.from_dict(detect("cpu").to_dict()) == detect("cpu")
+
+
+@no_cuda
+def test_detect_all_without_gpu_is_the_cpu() -> None:
+    assert hardware.detect_all() == [detect("cpu")]

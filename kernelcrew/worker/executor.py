@@ -1,0 +1,223 @@
+"""CeleryExecutor: the crew's Executor over Celery, so the same graph runs against remote GPU workers.
+
+Each call is validated, routed (:func:`~kernelcrew.worker.routing.pick_queue` over the workers
+online), sent to its queue, and waited for. How long it may take is bounded at each step, never by
+one fixed timeout, because a call may wait in a busy queue and a lost worker's task comes back only
+after the visibility timeout:
+
+* until a worker starts it: ``task_queue_timeout_s`` (else :class:`NoWorkerOnline`);
+* once an attempt starts: its result within the hard time limit, or, if its worker died, the next
+  attempt within the visibility timeout + the restore interval + ``task_queue_timeout_s`` (else
+  :class:`WorkerLost`); the task itself gives up after ``task_max_attempts`` lost workers.
+
+The message expires after the whole horizon, so no worker runs a task its caller stopped waiting
+for. Results come back exactly as ``LocalExecutor`` returns them; a bad task or candidate raises
+``TaskError`` as it does locally, and everything else raises a
+:class:`~kernelcrew.worker.errors.WorkerError` (an ``ExecutorError``) that says what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis
+
+from kernelcrew.config import Settings, get_settings
+from kernelcrew.task import TaskError
+from kernelcrew.worker import store
+from kernelcrew.worker.errors import NoWorkerOnline, WorkerError, WorkerLost, WorkerTimeout
+from kernelcrew.worker.inventory import list_workers
+from kernelcrew.worker.routing import pick_queue, served_queues
+from kernelcrew.worker.tasks import TaskName, check_request
+
+log = logging.getLogger(__name__)
+
+
+class CeleryExecutor:
+    """Runs ``verify``, ``benchmark`` and ``profile`` on the workers (see the module doc).
+
+    ``gpu`` is what the job asks for (a model slug such as ``h100-sxm``, an architecture such as
+    ``sm_90``, or None for any GPU); ``queue`` pins every call to one queue instead of routing;
+    ``job_id`` is shown in the inventory as the job a worker is running.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        gpu: str | None = None,
+        queue: str | None = None,
+        job_id: str | None = None,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.gpu = gpu
+        self.pinned_queue = queue
+        self.job_id = job_id
+        self.poll_s = poll_s
+        self.queue: str | None = queue
+        """The queue of the last call (routing keeps it while a worker serves it)."""
+        self.last_call: dict[str, Any] = {}
+        """Where the last call ran: op, task_id, queue, attempt, hostname, wall_s."""
+        self._app: Any = None
+        self._redis = store.client(self.settings.broker_url)
+
+    @property
+    def app(self) -> Any:
+        if self._app is None:
+            from kernelcrew.worker.app import make_app
+
+            self._app = make_app(self.settings)
+        return self._app
+
+    def verify(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self._call("verify", request)
+
+    def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self._call("benchmark", request)
+
+    def profile(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self._call("profile", request)
+
+    def close(self) -> None:
+        """Release the broker connections (the workers keep their goldens until they are recycled)."""
+        if self._app is not None:
+            self._app.close()
+            self._app = None
+
+    # ------------------------------------------------------------------------------------------
+
+    def route(self, device: str) -> str:
+        """The queue the next call on ``device`` goes to."""
+        if self.pinned_queue:
+            return self.pinned_queue
+        workers = list_workers(client=self._redis)
+        if self.queue and served_queues(workers)[self.queue]:
+            return self.queue  # the same GPU model for every call of a job while one serves it
+        self.queue = pick_queue(workers, self.gpu, device=device)
+        return self.queue
+
+    def _call(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
+        from kombu.exceptions import OperationalError
+
+        check_request(op, request)
+        s = self.settings
+        started = time.monotonic()
+        try:
+            queue = self.route(request["device"])
+        except redis.RedisError as exc:
+            raise WorkerError(
+                f"cannot read the worker inventory at {store.safe_url(s.broker_url)}: {exc}"
+            ) from exc
+        task_id = str(uuid.uuid4())
+        one_attempt = s.visibility_timeout_s + s.worker_restore_interval_s + s.task_queue_timeout_s
+        expires = datetime.now(UTC) + timedelta(seconds=(s.task_max_attempts + 1) * one_attempt)
+        self.last_call = {"op": op, "task_id": task_id, "queue": queue, "attempt": 0, "hostname": None}
+        try:
+            result = self.app.send_task(
+                TaskName.for_op(op).value,
+                args=[request],
+                kwargs={"job_id": self.job_id},
+                queue=queue,
+                task_id=task_id,
+                expires=expires,
+            )
+        except OperationalError as exc:
+            raise WorkerError(f"cannot send the {op} task to {store.safe_url(s.broker_url)}: {exc}") from exc
+        try:
+            envelope = self._wait(result, op, queue)
+        except (redis.RedisError, OperationalError) as exc:
+            raise WorkerError(f"lost the broker while waiting for the {op} task {task_id}: {exc}") from exc
+        finally:
+            self.last_call["wall_s"] = round(time.monotonic() - started, 3)
+        return _unwrap(op, envelope)
+
+    def _wait(self, result: Any, op: str, queue: str) -> Any:
+        from celery import states
+        from celery.exceptions import TimeoutError as ResultTimeout
+
+        s = self.settings
+        start_by = time.monotonic() + s.task_queue_timeout_s
+        seen = 0
+        while True:
+            try:
+                result.get(timeout=self.poll_s, propagate=False)
+            except ResultTimeout:
+                pass
+            if result.ready():
+                break
+            attempt = store.read_attempt(self._redis, result.id)
+            now = time.monotonic()
+            if attempt is not None and attempt.number > seen:
+                seen = attempt.number
+                self.last_call.update(attempt=seen, hostname=attempt.hostname)
+                start_by = now + s.visibility_timeout_s + s.worker_restore_interval_s + s.task_queue_timeout_s
+                if seen > 1:
+                    log.warning(
+                        "%s task %s: attempt %d on %s (a worker was lost)",
+                        op,
+                        result.id,
+                        seen,
+                        attempt.hostname,
+                    )
+            if now > start_by:
+                result.revoke()
+                if seen == 0:
+                    raise NoWorkerOnline(
+                        f"no worker started the {op} task within {s.task_queue_timeout_s:g} s on queue "
+                        f"{queue} (KERNELCREW_TASK_QUEUE_TIMEOUT_S): its workers are gone or busy"
+                    )
+                raise WorkerLost(
+                    f"the {op} task {result.id} gave no result: attempt {seen} on "
+                    f"{self.last_call['hostname']} stopped (its worker was lost) and the task was not "
+                    f"started again within {s.visibility_timeout_s + s.worker_restore_interval_s:g} s "
+                    f"+ the queue timeout"
+                )
+        state, value = result.state, result.result
+        if state == states.SUCCESS and isinstance(value, dict):
+            self.last_call.update(attempt=value.get("attempt", seen), hostname=value.get("hostname"))
+        result.forget()
+        if state == states.SUCCESS:
+            return value
+        if state == states.FAILURE:
+            raise _failure(op, value, s)
+        raise WorkerError(f"the {op} task {result.id} ended as {state}: {value}")
+
+
+def _failure(op: str, exc: Any, s: Settings) -> WorkerError:
+    """The error for a task that Celery itself failed (hard time limit, lost worker, a crash)."""
+    name = type(exc).__name__
+    if name == "TimeLimitExceeded":
+        return WorkerTimeout(
+            f"the {op} task was killed at the hard time limit of {s.task_time_limit_s:g} s "
+            f"(KERNELCREW_TASK_TIME_LIMIT_S)"
+        )
+    if name == "WorkerLostError":
+        return WorkerLost(f"the {op} task's worker process died: {exc}")
+    return WorkerError(f"the {op} task failed on the worker: {name}: {exc}")
+
+
+def _unwrap(op: str, envelope: Any) -> dict[str, Any]:
+    """The result of a task's envelope, or the error it carries, raised."""
+    if not isinstance(envelope, dict) or "ok" not in envelope:
+        raise WorkerError(
+            f"the {op} task returned something that is not a kernelcrew envelope: {envelope!r:.200}"
+        )
+    if envelope["ok"]:
+        return envelope["result"]
+    error = envelope["error"]
+    kind, message = error.get("type"), error.get("message", "")
+    where = f" on {envelope.get('hostname')}" if envelope.get("hostname") else ""
+    if kind == "task_error":
+        raise TaskError(message, path=error.get("path"), line=error.get("line"))
+    if kind == "timeout":
+        raise WorkerTimeout(message)
+    if kind == "worker_lost":
+        raise WorkerLost(message)
+    if kind == "internal":
+        raise WorkerError(f"the {op} task failed{where}: {message}\n{error.get('traceback', '')}".rstrip())
+    raise WorkerError(f"the {op} task was refused{where} ({kind}): {message}")
