@@ -22,9 +22,9 @@ from kernelcrew.config import Settings, get_settings
 from kernelcrew.knowledge_base import retrieval, store
 from kernelcrew.knowledge_base.db import DatabaseError, get_engine, safe_url, transaction
 from kernelcrew.knowledge_base.models import Reader, scope_of
+from kernelcrew.knowledge_base.patterns import TaskSignature
 from kernelcrew.knowledge_base.schemas import WinIn
 from kernelcrew.knowledge_base.seeds import ensure_seeds
-from kernelcrew.knowledge_base.signature import TaskSignature
 
 
 def local_owner(settings: Settings) -> str:

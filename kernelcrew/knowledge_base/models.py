@@ -96,7 +96,7 @@ class Win(Base):
     """torch, triton, CUDA, driver versions of the measurement."""
 
     signature: Mapped[str] = mapped_column(Text, default="")
-    """The pattern signature (:func:`kernelcrew.knowledge_base.signature.signature`); empty for seeds."""
+    """The pattern signature (:func:`kernelcrew.knowledge_base.patterns.signature`); empty for seeds."""
     signature_key: Mapped[str] = mapped_column(String(64), index=True, default="")
     """sha256 of ``signature``: the deduplication key (an index on text would be too long)."""
     pattern_kinds: Mapped[list[str]] = mapped_column(JSON, default=list)

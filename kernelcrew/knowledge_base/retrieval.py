@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, defer
 
 from kernelcrew.knowledge_base.bm25 import BM25, tokenize
 from kernelcrew.knowledge_base.models import Reader, Win, visible_to
-from kernelcrew.knowledge_base.signature import TaskSignature, from_analysis, from_text
+from kernelcrew.knowledge_base.patterns import TaskSignature, from_analysis, from_text
 
 MAX_CANDIDATES = 5000
 """Most recent visible records ranked per query (BM25 runs in memory)."""

@@ -31,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from kernelcrew.knowledge_base.models import Confirmation, Reader, Win, scope_of, visible_to
+from kernelcrew.knowledge_base.patterns import signature_key
 from kernelcrew.knowledge_base.schemas import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
@@ -40,7 +41,6 @@ from kernelcrew.knowledge_base.schemas import (
     WinIn,
     describe_errors,
 )
-from kernelcrew.knowledge_base.signature import signature_key
 
 CLOCKS = ("cuda-event", "cpu-wall")
 #: The columns a faster win replaces in its row (the row's identity and counters stay).

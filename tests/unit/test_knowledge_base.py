@@ -23,6 +23,7 @@ from kernelcrew.knowledge_base.db import (
     upgrade,
 )
 from kernelcrew.knowledge_base.models import Confirmation, Win
+from kernelcrew.knowledge_base.patterns import canonical_op, pattern_kind, shape_class
 from kernelcrew.knowledge_base.retrieval import (
     hit_line,
     nearest_archs,
@@ -31,7 +32,6 @@ from kernelcrew.knowledge_base.retrieval import (
     preferred_strategies,
 )
 from kernelcrew.knowledge_base.seeds import ensure_seeds, seed_files
-from kernelcrew.knowledge_base.signature import canonical_op, pattern_kind, shape_class
 from kernelcrew.knowledge_base.store import ImportRefused
 
 PG_ADMIN_URL = os.environ.get("KERNELCREW_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -650,3 +650,24 @@ def test_best_known_params_come_first_then_seed_ranges():
     assert order_configs(space, [], "fused_pointwise") == space
     assert order_configs([{}], hits, "torch_compile") == [{}]
     assert preferred_strategies(hits) == ["fused_pointwise", "torch_compile"]
+
+
+def test_arrows_point_one_way():
+    """knowledge_base imports nothing of the agents, the API or the workers (they import it)."""
+    import ast
+    from pathlib import Path
+
+    import kernelcrew.knowledge_base as package
+
+    found = []
+    for path in Path(package.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            found += [
+                (path.name, n)
+                for n in names
+                if n.startswith(("kernelcrew.agents", "kernelcrew.api", "kernelcrew.worker"))
+            ]
+    assert found == []
