@@ -114,14 +114,20 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     transaction-scoped advisory lock does the same (DDL is transactional there too).
     """
     from alembic import command
+    from alembic.util.exc import CommandError
 
+    where = safe_url(str(engine.url))
     try:
         with engine.begin() as connection:
             if connection.dialect.name == "postgresql":
                 connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
             command.upgrade(alembic_config(connection), revision)
     except SQLAlchemyError as exc:
-        raise DatabaseError(f"cannot migrate the database {safe_url(str(engine.url))}: {exc}") from exc
+        raise DatabaseError(f"cannot migrate the database {where}: {exc}") from exc
+    except CommandError as exc:  # e.g. a revision this version does not know: a newer kernelcrew migrated it
+        raise DatabaseError(
+            f"cannot migrate the database {where}: {exc} (was it migrated by a newer kernelcrew?)"
+        ) from exc
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -16,6 +16,7 @@ from kernelcrew.knowledge_base import KnowledgeBase, Reader, WinRefused, signatu
 from kernelcrew.knowledge_base.bm25 import BM25, tokenize
 from kernelcrew.knowledge_base.db import (
     Base,
+    DatabaseError,
     current_revision,
     head_revision,
     make_engine,
@@ -174,6 +175,16 @@ def test_two_processes_migrating_a_fresh_database_at_once_both_succeed(kind, dat
         assert seeds == sum(len(f.entries) for f in seed_files()), "seeds loaded exactly once"
     finally:
         eng.dispose()
+
+
+def test_a_database_from_a_newer_version_is_a_clear_error(tmp_path):
+    eng = make_engine(f"sqlite:///{tmp_path}/x.db")
+    upgrade(eng)
+    with transaction(eng) as s:
+        s.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
+    with pytest.raises(DatabaseError, match=r"9999_from_the_future.*newer kernelcrew"):
+        upgrade(eng)
+    eng.dispose()
 
 
 def test_sqlite_connections_use_wal_and_foreign_keys(tmp_path):
