@@ -286,6 +286,32 @@ def test_dedupe_keeps_the_faster_and_counts_each_job_once(kb):
         )
 
 
+def test_concurrent_writers_of_the_same_win_end_in_one_row(kb):
+    """Four jobs record the same pattern at once: one row, four confirmations, the fastest kept."""
+    import threading
+
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def job(i: int) -> None:
+        handle = KnowledgeBase(kb.engine, kb.reader)
+        barrier.wait()
+        try:
+            handle.record_win(win(job_id=f"race-{i}"), verdict={**PASS, "candidate_ms": 0.5 - 0.1 * i})
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    records = kb.export()["records"]
+    assert len(records) == 1
+    assert records[0]["confirmations"] == 4 and records[0]["after_ms"] == pytest.approx(0.2)
+
+
 def test_deleting_a_win_deletes_its_confirmations(kb):
     result = kb.record_win(win(), verdict=PASS)
     with transaction(kb.engine) as s:
