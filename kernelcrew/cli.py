@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kernelcrew.knowledge_base.cli import app as kb_app
 from kernelcrew.task import TaskError, read_source
 from kernelcrew.worker.cli import worker
 
@@ -21,6 +22,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(kb_app, name="kb")
 console = Console(stderr=True)
 
 
@@ -206,6 +208,9 @@ def optimize(
         str, typer.Option(help="torch.compile baselines: auto, none, or a comma list.")
     ] = "auto",
     quick: Annotated[bool, typer.Option(help="Few timing repetitions (fast, noisy).")] = False,
+    no_kb: Annotated[
+        bool, typer.Option("--no-kb", help="Neither read nor write the knowledge base.")
+    ] = False,
 ) -> None:
     """Run the crew on a task and write best.py, report.md and report.json."""
     from kernelcrew.agents.llm import BACKENDS, LLMError
@@ -231,6 +236,7 @@ def optimize(
             seed=seed,
             compile_modes=compile_modes,
             quick=quick,
+            use_kb=not no_kb,
         )
         report = run_optimize(request, console=console, ask=_ask_guidance if chat else None)
     except (TaskError, LLMError) as exc:

@@ -126,6 +126,29 @@ class Settings(BaseSettings):
     )
     replay_file: str = Field("", description='JSON file {"responses": [...]} for the replay backend.')
 
+    # Storage (kernelcrew/knowledge_base/db.py): the knowledge base now, the service's tables later.
+    database_url: str = Field(
+        "",
+        description="SQLAlchemy URL (postgresql://user@host/db); empty: SQLite file data_dir/kernelcrew.db.",
+    )
+    kb_owner: str = Field("", description="Who the CLI acts as in the knowledge base; empty: the OS user.")
+    kb_team: str = Field("", description="The CLI user's team (sees the team's records); empty: none.")
+
+
+def resolve_database_url(settings: Settings) -> str:
+    """The SQLAlchemy URL to connect to: ``database_url``, or the SQLite file ``data_dir/kernelcrew.db``.
+
+    PostgreSQL goes through psycopg 3: ``postgresql://`` and ``postgres://`` (libpq's spellings)
+    become ``postgresql+psycopg://``; a URL that names a driver keeps it.
+    """
+    url = settings.database_url.strip()
+    if not url:
+        return f"sqlite:///{(settings.data_dir / 'kernelcrew.db').expanduser()}"
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
 
 @lru_cache
 def get_settings() -> Settings:

@@ -29,6 +29,8 @@ class CrewContext:
     on_event: Callable[[dict[str, Any]], None] | None = None
     analyze: Callable[..., Any] | None = None
     """Sandboxed FX analysis of the task (the playbook's); injectable for tests."""
+    kb: Any | None = None
+    """The knowledge base (a ``kernelcrew.knowledge_base.KnowledgeBase``), or None: no hits, no records."""
 
     def emit(self, kind: str, **data: Any) -> None:
         """Tell the user (progress view, SSE stream) what just happened."""

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 from langgraph.runtime import Runtime
 from pydantic import ValidationError
 
 from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.knowledge import hits_text, task_hits
 from kernelcrew.agents.state import CrewState, PlanStep
 
 GUIDANCE = re.compile(
@@ -58,19 +60,31 @@ def step_key(strategy: str, params: dict[str, Any]) -> str:
 
 
 def _menu(state: CrewState) -> list[PlanStep]:
-    """Every playbook step applicable to the task, in the order the playbook would try them."""
+    """Every playbook step applicable to the task, in the order the playbook would try them.
+
+    The knowledge base's hits (``state.kb_hits``) shape the order: a strategy that won on this
+    pattern and architecture comes first, and each strategy's tuning starts from the best known
+    parameters; otherwise own kernels come before compiler candidates.
+    """
     from kernelcrew.agents import playbook
+    from kernelcrew.knowledge_base import order_configs, preferred_strategies
 
     analysis = playbook.TaskAnalysis(
         (state.baseline or {}).get("analysis") or {}, task_source=state.task_source, task_path=state.task_path
     )
     arch = "cpu" if state.options.device == "cpu" else state.baseline.get("arch", "sm_90")
+    hits = state.kb_hits or []
+    won = preferred_strategies(hits)
     steps: list[PlanStep] = []
     for strategy, reason in playbook.applicable(analysis):
-        configs = playbook.tuning_space(strategy.name, analysis, arch) or [{}]
+        configs = order_configs(
+            playbook.tuning_space(strategy.name, analysis, arch) or [{}], hits, strategy.name
+        )
         if state.options.device == "cpu":
             configs = configs[:1]  # CPU timings never drive a decision: one config is enough
         gain = 2.0 if strategy.source_kind == "kernel" else 1.5
+        if strategy.name in won:
+            reason += "; the knowledge base shows it won on this pattern before"
         for params in configs:
             steps.append(
                 PlanStep(
@@ -81,7 +95,12 @@ def _menu(state: CrewState) -> list[PlanStep]:
                     source="playbook",
                 )
             )
-    steps.sort(key=lambda s: 0 if playbook.STRATEGIES[s.strategy].source_kind == "kernel" else 1)
+
+    def order(step: PlanStep) -> tuple[int, int]:
+        known = won.index(step.strategy) if step.strategy in won else len(won)
+        return known, 0 if playbook.STRATEGIES[step.strategy].source_kind == "kernel" else 1
+
+    steps.sort(key=order)
     return steps
 
 
@@ -135,6 +154,9 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         update["options"] = type(opts)(**{**opts.__dict__, "max_iters": opts.max_iters + prefs["more"]})
     if prefs["stop"]:
         return {**update, "plan": None, "stop_reason": "stopped by the user"}
+    if state.kb_hits is None:  # asked once per run; checkpointed with the state
+        state = replace(state, kb_hits=task_hits(state, ctx))
+        update["kb_hits"] = state.kb_hits
     if ctx.chat is not None:
         step, problem = _plan_with_llm(state, ctx)
         if step is None:  # counted as a failed step; decide goes on or stops by the budget
@@ -184,7 +206,7 @@ def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None,
         best_source=best.source if best else "(none yet: the reference is the baseline)",
         best_summary=json.dumps(best.summary(), default=str) if best else "none",
         diagnosis=state.diagnosis or "none",
-        kb_hits="none yet",
+        kb_hits=hits_text(state.kb_hits or []),
         strategies="\n".join(f"- {s.strategy} {json.dumps(s.params)}: {s.rationale}" for s in menu) or "none",
         tried="\n".join(state.tried) or "none",
         last_failure=_last_failure(state),

@@ -2,7 +2,8 @@
 
 Writes ``best.py``, ``report.json`` and ``report.md`` into the run's output directory. The final
 numbers come from one interleaved benchmark of the best candidate, eager and every requested
-``torch.compile`` mode in the same process.
+``torch.compile`` mode in the same process. A best that passed verification and was measured
+faster goes into the knowledge base (:func:`kernelcrew.agents.knowledge.record_best`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from langgraph.runtime import Runtime
 
 from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.knowledge import record_best
 from kernelcrew.agents.profiler import assess_subject
 from kernelcrew.agents.state import CrewState
 from kernelcrew.tools.roofline import sol_fraction
@@ -55,7 +57,12 @@ def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             "speedup_compile": (min(compiled.values()) / best_ms) if compiled and best_ms else None,
             "failure": bench.get("failure"),
         }
+    recorded = record_best(state, ctx, final)
     report = build_report(state, final, ctx)
+    report["knowledge_base"] = {
+        "hits": [{k: h[k] for k in ("id", "match", "why", "line")} for h in state.kb_hits or []],
+        "recorded": recorded,
+    }
     if ctx.out_dir is not None:
         write_report(ctx.out_dir, report, best.source if best else None)
     ctx.emit("done", status=report["status"], stop_reason=state.stop_reason, best=report["best"])
@@ -289,6 +296,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"- step {it.get('step')} ({it.get('strategy')}): {it.get('message')}" for it in failures]
     if report.get("replies"):
         lines += ["", "## Conversation", "", *report["replies"]]
+    lines += _knowledge_lines(report.get("knowledge_base") or {})
     usage = report.get("usage") or {}
     lines += [
         "",
@@ -298,3 +306,20 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _knowledge_lines(kb: dict[str, Any]) -> list[str]:
+    """What the knowledge base offered this run and what the run gave back."""
+    recorded = kb.get("recorded")
+    if not recorded:
+        return []
+    lines = ["", "## Knowledge base", ""]
+    lines += [f"- hit ({h['match']}): {h['line']}" for h in kb.get("hits", [])] or ["- no hits for this task"]
+    if recorded.get("recorded"):
+        lines.append(
+            f"- this run's win: {recorded['action']} as {recorded['id']} "
+            f"({recorded['confirmations']} confirmation(s))"
+        )
+    else:
+        lines.append(f"- this run's win was not recorded: {recorded.get('reason')}")
+    return lines

@@ -44,6 +44,8 @@ class OptimizeRequest:
     seed: int | None = None
     compile_modes: str = "auto"
     quick: bool = False
+    use_kb: bool = True
+    """Read the knowledge base's hits and record the run's win (``--no-kb``: neither)."""
 
 
 def new_run_id() -> str:
@@ -82,11 +84,13 @@ def run_optimize(
     settings: Settings | None = None,
     executor: Any = None,
     chat: Any = None,
+    kb: Any = None,
 ) -> dict[str, Any] | None:
     """Start or continue a run and return its report (``None`` if it ended without one).
 
-    ``executor`` and ``chat`` are injectable (tests, the service); by default a LocalExecutor and
-    the provider the settings name.
+    ``executor``, ``chat`` and ``kb`` are injectable (tests, the service); by default a
+    LocalExecutor, the provider the settings name and the configured knowledge base (none when
+    ``req.use_kb`` is false).
     """
     from kernelcrew.agents.llm import UsageMeter
     from kernelcrew.agents.playbook import analyze
@@ -111,6 +115,8 @@ def run_optimize(
     if note:
         out.print(f"[yellow]{note}[/]")
     meter = UsageMeter.from_dict(snapshot.values.get("usage") or {}) if snapshot.values else UsageMeter()
+    if kb is None and req.use_kb:
+        kb = open_kb(s)
     ctx = CrewContext(
         executor=executor or LocalExecutor(s),
         chat=chat,
@@ -119,6 +125,7 @@ def run_optimize(
         run_id=run_id,
         on_event=_printer(out),
         analyze=lambda source, path, seed: analyze(source, path, seed=seed, settings=s),
+        kb=kb if req.use_kb else None,
     )
 
     try:
@@ -162,6 +169,19 @@ def run_optimize(
         where = ctx.out_dir
         out.print(f"[bold]{report['status']}[/]: {report['stop_reason']}. Report: {where}/report.md")
     return report
+
+
+def open_kb(settings: Settings) -> Any:
+    """The configured knowledge base for this user; a clear TaskError when it cannot be opened."""
+    from kernelcrew.knowledge_base import KnowledgeBase
+    from kernelcrew.knowledge_base.db import DatabaseError
+
+    try:
+        return KnowledgeBase.open(settings)
+    except DatabaseError as exc:
+        raise TaskError(
+            f"the knowledge base cannot be opened ({exc}); run with --no-kb to go without it"
+        ) from exc
 
 
 def _chat_turn(graph: Any, config: dict[str, Any], ctx: CrewContext, ask: Callable[[int], str]) -> None:
@@ -244,6 +264,12 @@ def _printer(console: Console) -> Callable[[dict[str, Any]], None]:
             )
         elif kind == "reply":
             console.print(f"[magenta]crew:[/] {event['message']}")
+        elif kind == "kb":
+            console.print(f"knowledge base: {len(event['hits'])} hit(s) for this task")
+            for hit in event["hits"][:3]:
+                console.print(f"  [dim]{hit['line'][:160]}[/]")
+        elif kind == "kb_record":
+            console.print(f"knowledge base: win {event['action']} ({event['id']})")
         elif kind in ("error", "invalid_plan"):
             console.print(f"[yellow]{kind}:[/] {event.get('message')}")
         elif kind == "node":

@@ -83,6 +83,8 @@ class CrewState:
     """Eager and torch.compile timings, hotspots and the graph analysis of the reference."""
     diagnosis: str = ""
     """The profiler's latest reading of where time goes, for the planner."""
+    kb_hits: list[dict[str, Any]] | None = None
+    """The knowledge base's top hits for this task and device (None: not asked yet)."""
     plan: PlanStep | None = None
     draft: Candidate | None = None
     """The candidate of the current step, between code, verify and profile."""

@@ -1,0 +1,143 @@
+"""GPU evidence for the knowledge base: does a second, related task reach its best sooner with it?
+
+Runs ``kernelcrew optimize`` (offline playbook) on task A, then on a related task B with the
+knowledge base A's run filled (same data directory), and B again in a fresh data directory with
+``--no-kb``. For each run of B it records the steps taken, the step at which the final best was
+found, the wall time and the knowledge-base hits the planner got. Writes ``kb_h100.json`` and
+``kb_h100.md`` to the folder given (default bench/results).
+
+    python bench/kb_gpu.py [OUT_DIR] [--first elementwise_chain] [--second swish_residual] [--max-iters N]
+
+A task is an example's name or a task file's path. ``--device cpu`` is a smoke test of the script
+(CPU timings decide nothing, so there it shows only that the hits arrive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def optimize(task: str, data_dir: Path, out: Path, max_iters: int, *, use_kb: bool, device: str) -> dict:
+    path = task if task.endswith(".py") else f"examples/{task}.py"
+    cmd = [sys.executable, "-m", "kernelcrew", "optimize", path, "--device", device]
+    cmd += ["--backend", "playbook", "--max-iters", str(max_iters), "--out", str(out)]
+    cmd += [] if use_kb else ["--no-kb"]
+    env = {**os.environ, "KERNELCREW_DATA_DIR": str(data_dir)}
+    env.pop("KERNELCREW_DATABASE_URL", None)  # the SQLite file in data_dir: nothing shared with other runs
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    wall = round(time.monotonic() - started, 1)
+    path = out / "report.json"
+    if not path.exists():
+        return {"task": task, "kb": use_kb, "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": wall}
+    report = json.loads(path.read_text())
+    best = report.get("best") or {}
+    steps = report["iterations"]
+    best_step = next((s["step"] for s in steps if s.get("id") == best.get("id")), None)
+    return {
+        "task": task,
+        "kb": use_kb,
+        "status": report["status"],
+        "steps": len(steps),
+        "best_step": best_step,
+        "best": {k: best.get(k) for k in ("strategy", "params", "kind", "best_ms", "speedup_eager")},
+        "tried": [
+            {"step": s["step"], "strategy": s.get("strategy"), "params": s.get("params")} for s in steps
+        ],
+        "kb_hits": [h["line"] for h in (report.get("knowledge_base") or {}).get("hits", [])],
+        "kb_recorded": (report.get("knowledge_base") or {}).get("recorded"),
+        "wall_s": wall,
+        "gpu": report.get("gpu_name"),
+        "arch": report.get("arch"),
+    }
+
+
+def markdown(data: dict) -> str:
+    lines = [
+        "# Knowledge base: a related task with and without it",
+        "",
+        f"Device: {data['gpu']} ({data['arch']}). First task `{data['first']}`, then `{data['second']}` "
+        f"(at most {data['max_iters']} steps each). Produced by `{data['command']}`.",
+        "",
+        "| run | status | steps | best found at step | best | vs eager | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in data["runs"].items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error'][:100]!r} | | | | | {r['wall_s']} |")
+            continue
+        b = r["best"]
+        gain = f"{b['speedup_eager']:.3g}x" if b.get("speedup_eager") else "-"
+        lines.append(
+            f"| {name} | {r['status']} | {r['steps']} | {r['best_step']} | {b.get('strategy')} "
+            f"{json.dumps(b.get('params') or {})} | {gain} | {r['wall_s']} |"
+        )
+    hits = data["runs"].get("second, with the knowledge base", {}).get("kb_hits", [])
+    lines += ["", "Hits the planner got for the second task:", ""] + [f"- {h}" for h in hits]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--first", default="elementwise_chain")
+    parser.add_argument("--second", default="swish_residual")
+    parser.add_argument("--max-iters", type=int, default=4)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:
+        runs = {
+            "first, filling the knowledge base": optimize(
+                args.first,
+                Path(shared),
+                out_dir / "kb_runs" / "first",
+                args.max_iters,
+                use_kb=True,
+                device=args.device,
+            ),
+            "second, with the knowledge base": optimize(
+                args.second,
+                Path(shared),
+                out_dir / "kb_runs" / "with_kb",
+                args.max_iters,
+                use_kb=True,
+                device=args.device,
+            ),
+            "second, without (--no-kb)": optimize(
+                args.second,
+                Path(alone),
+                out_dir / "kb_runs" / "without_kb",
+                args.max_iters,
+                use_kb=False,
+                device=args.device,
+            ),
+        }
+    first = next((r for r in runs.values() if "gpu" in r), {})
+    data = {
+        "gpu": first.get("gpu"),
+        "arch": first.get("arch"),
+        "first": args.first,
+        "second": args.second,
+        "max_iters": args.max_iters,
+        "command": f"python bench/kb_gpu.py --first {args.first} --second {args.second} "
+        f"--max-iters {args.max_iters} --device {args.device}",
+        "runs": runs,
+    }
+    (out_dir / "kb_h100.json").write_text(json.dumps(data, indent=2))
+    (out_dir / "kb_h100.md").write_text(markdown(data))
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    main()

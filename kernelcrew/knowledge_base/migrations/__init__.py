@@ -1,0 +1,1 @@
+"""Alembic migrations of kernelcrew's database (one history: knowledge base, then service tables)."""

@@ -1,0 +1,1 @@
+"""Migration scripts, written by hand and reviewed: one file per revision, oldest first."""
