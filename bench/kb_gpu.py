@@ -24,12 +24,28 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+COMPILE_MODES = "default"  # the torch.compile baseline; max-autotune adds a minute per run
 
 
-def optimize(task: str, data_dir: Path, out: Path, max_iters: int, *, use_kb: bool, device: str) -> dict:
+def optimize(
+    task: str,
+    data_dir: Path,
+    out: Path,
+    max_iters: int,
+    *,
+    use_kb: bool,
+    device: str,
+    reuse: Path | None = None,
+) -> dict:
+    """One optimize run; with ``reuse``, a run whose report is already there (an earlier shard of a
+    10-minute lease) is read instead of run again, its wall time taken from the report."""
+    if reuse is not None and (reuse / out.name / "report.json").exists():
+        report = json.loads((reuse / out.name / "report.json").read_text())
+        return summarize(task, use_kb, report, report.get("elapsed_s"), reused=str(reuse / out.name))
     path = task if task.endswith(".py") else f"examples/{task}.py"
     cmd = [sys.executable, "-m", "kernelcrew", "optimize", path, "--device", device]
     cmd += ["--backend", "playbook", "--max-iters", str(max_iters), "--out", str(out)]
+    cmd += ["--compile-modes", COMPILE_MODES]
     cmd += [] if use_kb else ["--no-kb"]
     env = {**os.environ, "KERNELCREW_DATA_DIR": str(data_dir)}
     env.pop("KERNELCREW_DATABASE_URL", None)  # the SQLite file in data_dir: nothing shared with other runs
@@ -39,7 +55,10 @@ def optimize(task: str, data_dir: Path, out: Path, max_iters: int, *, use_kb: bo
     path = out / "report.json"
     if not path.exists():
         return {"task": task, "kb": use_kb, "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": wall}
-    report = json.loads(path.read_text())
+    return summarize(task, use_kb, json.loads(path.read_text()), wall)
+
+
+def summarize(task: str, use_kb: bool, report: dict, wall: float | None, reused: str = "") -> dict:
     best = report.get("best") or {}
     steps = report["iterations"]
     best_step = next((s["step"] for s in steps if s.get("id") == best.get("id")), None)
@@ -58,6 +77,7 @@ def optimize(task: str, data_dir: Path, out: Path, max_iters: int, *, use_kb: bo
         "wall_s": wall,
         "gpu": report.get("gpu_name"),
         "arch": report.get("arch"),
+        **({"reused_from": reused} if reused else {}),
     }
 
 
@@ -93,6 +113,9 @@ def main() -> None:
     parser.add_argument("--second", default="swish_residual")
     parser.add_argument("--max-iters", type=int, default=4)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument(
+        "--reuse", type=Path, help="Read runs whose report is already in this kb_runs folder."
+    )
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +128,7 @@ def main() -> None:
                 args.max_iters,
                 use_kb=True,
                 device=args.device,
+                reuse=args.reuse,
             ),
             "second, with the knowledge base": optimize(
                 args.second,
@@ -113,6 +137,7 @@ def main() -> None:
                 args.max_iters,
                 use_kb=True,
                 device=args.device,
+                reuse=args.reuse,
             ),
             "second, without (--no-kb)": optimize(
                 args.second,
@@ -121,6 +146,7 @@ def main() -> None:
                 args.max_iters,
                 use_kb=False,
                 device=args.device,
+                reuse=args.reuse,
             ),
         }
     first = next((r for r in runs.values() if "gpu" in r), {})
@@ -131,7 +157,12 @@ def main() -> None:
         "second": args.second,
         "max_iters": args.max_iters,
         "command": f"python bench/kb_gpu.py --first {args.first} --second {args.second} "
-        f"--max-iters {args.max_iters} --device {args.device}",
+        f"--max-iters {args.max_iters} --device {args.device}"
+        + (
+            f" --reuse {args.reuse} (runs read from an earlier shard are marked reused_from)"
+            if args.reuse
+            else ""
+        ),
         "runs": runs,
     }
     (out_dir / "kb_h100.json").write_text(json.dumps(data, indent=2))
