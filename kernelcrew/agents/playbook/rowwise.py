@@ -25,11 +25,23 @@ a hand-written ``x - x.mean()`` then ``.pow(2).mean()`` takes two), then one pas
 Accumulation is fp32 (fp64 when the module computes in float64), the output is stored once in the
 reference's dtype. Only core ``tl.*`` math is used, so the kernels run under ``TRITON_INTERPRET=1``.
 
+GroupNorm (``nn.GroupNorm``/``F.group_norm``, any rank, channels-last too) uses the same kernel
+with another row indexing: each (sample, group) of an ``(N, C, *)`` input is a row of
+``C/G * prod(*)`` columns; operands are read through (sample, channel, position) strides, as one
+flat run when their channels and positions are contiguous together (the input), else by channel and
+position (the ``(C,)`` weights, a per-channel ``(N, C, 1, 1)`` embedding), so a SiLU, a residual
+or a time-embedding add fuse around it.
+
 Cross-entropy (``F.cross_entropy``, ``(N, C)`` logits, integer targets, ``ignore_index``,
 reduction ``mean``/``sum``/``none``): the row kernel writes each row's loss and whether it counts;
 ``mean``/``sum`` then run a one-program kernel that adds them in a fixed order, so the loss is
 bitwise deterministic (no atomics). What does not apply says why: reductions over another dim than
 the last, matmuls, tuple outputs, class weights, label smoothing...
+
+Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
+per element and per row (a scalar weight used on both sides of a reduction) is refused; a row is one
+program's work, so few very long rows (GroupNorm at large resolutions, a handful of vocab-sized
+rows) use few SMs: splitting a row across programs is the next step for those shapes.
 """
 
 from __future__ import annotations
@@ -80,7 +92,7 @@ ROW_OPS = frozenset(
     {
         *("softmax", "log_softmax", "logsumexp", "layer_norm", "rms_norm", "normalize", "norm"),
         *("linalg_vector_norm", "sum", "mean", "amax", "amin", "max", "min", "cross_entropy"),
-        "masked_fill",
+        *("masked_fill", "group_norm"),
     }
 )
 RESHAPE_OPS = frozenset({"view", "reshape", "flatten"})
@@ -113,6 +125,10 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
         *(("ignore_index", -100), ("reduce", None), ("reduction", "mean"), ("label_smoothing", 0.0)),
     ),
     "masked_fill": (("input", _REQUIRED), ("mask", _REQUIRED), ("value", _REQUIRED)),
+    "group_norm": (
+        *(("input", _REQUIRED), ("num_groups", _REQUIRED), ("weight", None), ("bias", None)),
+        *(("eps", 1e-5), ("cudnn_enabled", True)),
+    ),
 }
 SIGNATURES["log_softmax"] = SIGNATURES["softmax"]
 SIGNATURES["mean"] = SIGNATURES["sum"]
@@ -154,6 +170,8 @@ class RowPlan:
     compute_dtype: str = "float32"
     #: Cross-entropy's ``reduction`` when the output is the mean or sum of per-row losses, else None.
     loss_reduction: str | None = None
+    #: GroupNorm's number of groups: the rows are then (sample, group) pairs of an (N, C, *) tensor.
+    groups: int | None = None
     ops: list[str] = field(default_factory=list)
 
     @property
@@ -179,8 +197,13 @@ def match(analysis: TaskAnalysis) -> tuple[RowPlan | None, str]:
     kinds = ", ".join(dict.fromkeys(op for op in plan.ops if op in ROW_OPS and op != "masked_fill"))
     fused = ", ".join(dict.fromkeys(op for op in plan.ops if op not in ROW_OPS)) or "nothing else"
     passes = plan.levels + (1 if plan.result_layout == "row" else 0)
+    rows = (
+        f"normalizes {plan.groups} groups of channels of each sample"
+        if plan.groups is not None
+        else "reduces each row of its last dim"
+    )
     return plan, (
-        f"the forward reduces each row of its last dim ({kinds}; fused with it: {fused}): one kernel, "
+        f"the forward {rows} ({kinds}; fused with it: {fused}): one kernel, "
         f"one pass in registers when a row fits, {passes} pass(es) over longer rows, "
         f"fp32 accumulation, one {plan.out_dtype} output"
     )
@@ -217,6 +240,8 @@ def _match(a: TaskAnalysis) -> RowPlan:
 
     operands, steps, result, reshapes, index_ops = _prune(lowering, result)
     spaces, layouts, result_layout = _place(operands, steps, result, index_ops)
+    if lowering.groups is not None and (result_layout != "row" or set(layouts) != {"row"}):
+        raise Unsupported("group_norm with per-row operands or a per-group output")
     row_shape = _row_shape(a, lowering, operands, layouts)
     lead = row_shape[:-1]
     for i, op in enumerate(operands):
@@ -256,6 +281,7 @@ def _match(a: TaskAnalysis) -> RowPlan:
         row_shape=row_shape,
         compute_dtype="float64" if wide else "float32",
         loss_reduction=loss_reduction,
+        groups=lowering.groups,
         ops=lowering.ops,
     )
 
@@ -433,6 +459,7 @@ class _RowLowering(_Lowering):
         self.index_operands: set[int] = set()
         self.weights: dict[str, tuple[str, Any]] = {}
         self.loss: tuple[tuple[str, Any], str] | None = None
+        self.groups: int | None = None
 
     # --- values --------------------------------------------------------------------------------
     def arg(self, value: Any, node: dict[str, Any]) -> tuple[str, Any]:
@@ -539,6 +566,8 @@ class _RowLowering(_Lowering):
 
     def row_input(self, node: dict[str, Any], b: dict[str, Any], dim: Any, what: str) -> tuple[str, Any]:
         """The reduced input as a number, after checking that ``dim`` is its last dim."""
+        if self.groups is not None:
+            raise Unsupported(f"{node['op']} ({node['name']}) next to group_norm (its rows are groups)")
         ref = b["input"].get("ref") if isinstance(b["input"], dict) else None
         if ref is None:
             raise Unsupported(f"{what} ({node['name']}) of a constant")
@@ -595,6 +624,47 @@ class _RowLowering(_Lowering):
         if bias is not None:
             y = self.emit(f"{name}_b", "add", [y, bias])
         self.values[name] = y
+
+    def lower_group_norm(self, node: dict[str, Any], b: dict[str, Any]) -> None:
+        """GroupNorm: each (sample, group) of an (N, C, *) tensor is a contiguous row of C/G * prod(*)."""
+        name = node["name"]
+        ref = b["input"].get("ref") if isinstance(b["input"], dict) else None
+        shape = self.a.node(ref).get("shape") if ref else None
+        if shape is None or len(shape) < 2 or self.a.node(ref).get("dtype") not in FLOAT_DTYPES:
+            raise Unsupported(f"group_norm ({name}) of an input that is not an (N, C, *) float tensor")
+        groups = b["num_groups"]
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or shape[1] % groups:
+            raise Unsupported(f"group_norm ({name}) with num_groups={groups!r} for {shape[1]} channels")
+        if self.row_shapes:
+            raise Unsupported(f"group_norm ({name}) next to another reduction")
+        self.groups = groups
+        self.row_shapes.append(shape)
+        x = self.num(self.arg(b["input"], node), name)
+        eps = _number(b["eps"], node, "eps")
+        mean, var = self.reduce(f"{name}_mom", "rmoments", x, keepdim=True)
+        centered = self.emit(f"{name}_c", "sub", [x, mean])
+        rstd = self.emit(f"{name}_rstd", "rsqrt", [self.emit(f"{name}_ve", "add", [var, ("c", eps)])])
+        y = self.emit(f"{name}_n", "mul", [centered, rstd])
+        for key, op in (("weight", "mul"), ("bias", "add")):
+            w = self.channel_weight(b[key], node, len(shape) - 2)
+            if w is not None:
+                y = self.emit(f"{name}_{key}", op, [y, w])
+        self.values[name] = y
+
+    def channel_weight(self, value: Any, node: dict[str, Any], spatial: int) -> tuple[str, Any] | None:
+        """A per-channel (C,) weight, read as (C, 1, ...) so it broadcasts along dim 1 as GroupNorm applies it."""
+        w = self.weight(value, node)
+        if w is None:
+            return None
+        if w[0] != "in" or len(self.operands[w[1]].shape) != 1:
+            raise Unsupported(f"{node['op']} ({node['name']}): a weight that is not a (C,) tensor")
+        source = self.operands[w[1]]
+        shape = (source.shape[0], *([1] * spatial))
+        self.operands.append(Operand(source.name, source.source, shape, source.dtype))
+        value_ = ("in", len(self.operands) - 1)
+        self.reshapes[value_[1]] = "channel"
+        self.kinds[_key(value_)] = "f"
+        return value_
 
     def lower_rms_norm(self, node: dict[str, Any], b: dict[str, Any]) -> None:
         name = node["name"]
@@ -890,10 +960,21 @@ class _KernelWriter:
         return s.op not in REDUCTIONS and self.plan.spaces.get(f"t:{s.out}") == "row"
 
     # --- pieces ----------------------------------------------------------------------------------
-    def load_row(self, i: int) -> str:
+    def load_row(self, i: int) -> list[str]:
         op = self.plan.operands[i]
-        load = f"tl.load(in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_sc, mask=mask, other=0)"
-        return f"v{i} = {load} != 0" if op.is_bool else f"v{i} = {load}.to({self.acc})"
+        convert = " != 0" if op.is_bool else f".to({self.acc})"
+        if self.plan.groups is None:
+            ptr = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_sc"
+            return [f"v{i} = tl.load({ptr}, mask=mask, other=0){convert}"]
+        # GroupNorm rows: the columns are (channel, position) pairs; MODE 0 walks them flat
+        flat = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_s2"
+        split = f"in{i}_ptr + off{i}[:, None] + ch[None, :] * in{i}_s1 + sp[None, :] * in{i}_s2"
+        return [
+            f"if MODE{i} == 0:",
+            f"    v{i} = tl.load({flat}, mask=mask, other=0){convert}",
+            "else:",
+            f"    v{i} = tl.load({split}, mask=mask, other=0){convert}",
+        ]
 
     def load_red(self, i: int) -> str:
         op = self.plan.operands[i]
@@ -1031,18 +1112,16 @@ class _KernelWriter:
             "pid = tl.program_id(0)",
             "rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)",
             "rmask = rows < n_rows",
-            "# each operand's offset of each row, from the row's coordinates in the coalesced leading dims",
-            "if FLAT_ROWS:",
-            *(f"    off{i} = rows * in{i}_s{MAX_LEAD - 1}" for i in range(n)),
-            "else:",
-            "    rem = rows",
         ]
-        for d in range(MAX_LEAD - 1, 0, -1):
-            lines += [f"    c{d} = rem % dim{d}", f"    rem = rem // dim{d}"]
-        lines.append("    c0 = rem")
-        lines += [
-            f"    off{i} = " + " + ".join(f"c{d} * in{i}_s{d}" for d in range(MAX_LEAD)) for i in range(n)
-        ]
+        if plan.groups is not None:
+            lines += [
+                "# row = (sample, group): dim1 groups of dim2 channels of dim3 positions",
+                "n_idx = rows // dim1",
+                "g_idx = rows - n_idx * dim1",
+                *(f"off{i} = n_idx * in{i}_s0 + g_idx * dim2 * in{i}_s1" for i in range(n)),
+            ]
+        else:
+            lines += self.row_offsets()
         red_ops = [i for i in range(n) if plan.layouts[i] != "row"]
         if red_ops:
             lines.append("# per-row operands")
@@ -1062,17 +1141,39 @@ class _KernelWriter:
         lines += [f"    {line}" for line in self.multi_pass(early)]
         return lines
 
+    def row_offsets(self) -> list[str]:
+        """Each operand's offset of each row, from the row's coordinates in the coalesced leading dims."""
+        n = len(self.plan.operands)
+        lines = [
+            "# each operand's offset of each row, from the row's coordinates in the coalesced leading dims",
+            "if FLAT_ROWS:",
+            *(f"    off{i} = rows * in{i}_s{MAX_LEAD - 1}" for i in range(n)),
+            "else:",
+            "    rem = rows",
+        ]
+        for d in range(MAX_LEAD - 1, 0, -1):
+            lines += [f"    c{d} = rem % dim{d}", f"    rem = rem // dim{d}"]
+        lines.append("    c0 = rem")
+        lines += [
+            f"    off{i} = " + " + ".join(f"c{d} * in{i}_s{d}" for d in range(MAX_LEAD)) for i in range(n)
+        ]
+        return lines
+
     def chunk_header(self, start: str) -> list[str]:
-        return [
+        lines = [
             f"cols = {start} + tl.arange(0, BLOCK_N)",
             "cmask = cols < n_cols",
             "mask = rmask[:, None] & cmask[None, :]",
         ]
+        if self.plan.groups is not None:  # channel and position of each column (dim3: positions)
+            lines += ["if HAS_SPLIT:", "    ch = cols // dim3", "    sp = cols - ch * dim3"]
+        return lines
 
     def single_pass(self, early: list[Step]) -> list[str]:
         plan = self.plan
         lines = ["cols = tl.arange(0, BLOCK_N)", *self.chunk_header("")[1:]]
-        lines += [self.load_row(i) for i in range(len(plan.operands)) if plan.layouts[i] == "row"]
+        for i in range(len(plan.operands)):
+            lines += self.load_row(i) if plan.layouts[i] == "row" else []
         for s in plan.steps:
             if s in early:
                 continue
@@ -1091,7 +1192,7 @@ class _KernelWriter:
             lines.append("for start in range(0, n_cols, BLOCK_N):")
             inner = (
                 self.chunk_header("start")
-                + [self.load_row(i) for i in operands]
+                + [line for i in operands for line in self.load_row(i)]
                 + self.emitter.section(steps)
             )
             for s in reductions:
@@ -1111,7 +1212,7 @@ class _KernelWriter:
             lines.append("for start in range(0, n_cols, BLOCK_N):")
             inner = (
                 self.chunk_header("start")
-                + [self.load_row(i) for i in operands]
+                + [line for i in operands for line in self.load_row(i)]
                 + self.emitter.section(steps)
             )
             lines += [f"    {line}" for line in inner + self.store()]
@@ -1166,20 +1267,6 @@ def generate_rowwise(analysis: TaskAnalysis, plan: RowPlan, params: dict[str, An
             "kd": "torch.empty(lead + (1,), dtype=DTYPE, device=device)",
             "flat": "torch.empty(lead, dtype=DTYPE, device=device)",
         }[plan.result_layout]
-    launch = [
-        "        *views,",
-        "        out,",
-        *(["        valid,"] if has_aux else []),
-        "        n_rows,",
-        "        n_cols,",
-        "        *dims[1:],",
-        "        *strides,",
-        "        ROWS=rows_per_program,",
-        "        BLOCK_N=block,",
-        "        SINGLE_PASS=single,",
-        "        FLAT_ROWS=flat,",
-        "        num_warps=warps,",
-    ]
     if has_aux:
         finish = f"""
     loss = torch.empty((), dtype=DTYPE, device=device)
@@ -1208,6 +1295,92 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
         valid_alloc = ""
         reduce_kernel = ""
 
+    # nothing to compute for an empty output; a loss over no rows (or reductions of empty rows) raises
+    empty = "" if has_aux else "\n    if out.numel() == 0:\n        return out"
+    grouped = plan.groups is not None
+    shapes = ", ".join(f"ops[{i}].shape" for i in row_ops)
+    if grouped:
+        channel = [plan.reshapes[i] == "channel" for i in range(n)]
+        layout_block = f"""    # (C,) weights apply along dim 1, whatever the input's rank
+    channel = {channel}
+    shape = torch.broadcast_shapes(*[t.shape for t, c in zip(ops, channel) if not c])
+    ops = [t.reshape(-1, *([1] * (len(shape) - 2))) if c else t for t, c in zip(ops, channel)]
+    shape = tuple(torch.broadcast_shapes(*[t.shape for t in ops]))
+    if len(shape) < 2 or shape[1] % GROUPS:
+        raise ValueError(f"group_norm needs an (N, C, *) input with C divisible by {{GROUPS}}, got {{shape}}")
+    positions = math.prod(shape[2:])
+    n_rows = shape[0] * GROUPS
+    n_cols = shape[1] // GROUPS * positions
+    out = torch.empty(shape, dtype=DTYPE, device=device)
+    if out.numel() == 0:
+        return out
+    dims = [1, GROUPS, shape[1] // GROUPS, positions]
+    views, strides, modes = [], [], []
+    for t in ops:
+        v, s, mode = _grouped(torch.broadcast_to(t, shape), positions)
+        views.append(v)
+        strides += [*s, 0, 0]
+        modes.append(mode)
+    flat = False"""
+        grouped_helper = '''def _grouped(v, positions):
+    """An operand broadcast to (N, C, *): itself (or a contiguous copy), its (sample, channel, position)
+    strides, and mode 0 when its channels and positions are one flat run (x itself), 1 otherwise (weights)."""
+    kept = [(size, stride) for size, stride in zip(v.shape[2:], v.stride()[2:]) if size != 1]
+    if any(kept[i][1] != kept[i + 1][1] * kept[i + 1][0] for i in range(len(kept) - 1)):
+        v = v.contiguous()
+        kept = [(size, stride) for size, stride in zip(v.shape[2:], v.stride()[2:]) if size != 1]
+    if positions == 1:  # no positions: a column is a channel
+        return v, (v.stride(0), v.stride(1), v.stride(1)), 0
+    position_stride = kept[-1][1] if kept else 0
+    mode = 0 if v.stride(1) == positions * position_stride else 1
+    return v, (v.stride(0), v.stride(1), position_stride), mode
+
+
+'''
+        mode_args = (
+            "".join(f"\n    MODE{i}: tl.constexpr," for i in range(n)) + "\n    HAS_SPLIT: tl.constexpr,"
+        )
+    else:
+        layout_block = f"""    row_shape = tuple(torch.broadcast_shapes({shapes}))
+    if not row_shape:
+        raise ValueError("a row reduction needs at least one dim")
+    lead = row_shape[:-1]
+    n_cols = row_shape[-1]
+    n_rows = math.prod(lead)
+    out = {out_alloc}{valid_alloc}{empty}
+    if n_rows == 0 or n_cols == 0:
+        raise ValueError(f"empty rows: shape {{row_shape}}")
+    views = [{", ".join(view_exprs)}]
+    layout = _coalesce(lead, [v.stride()[:-1] for v in views])
+    if layout is None:  # too many distinct broadcast dims: materialize the operands
+        views = [v.contiguous() for v in views]
+        layout = _coalesce(lead, [v.stride()[:-1] for v in views])
+    dims, lead_strides, flat = layout
+    strides = []
+    for v, s in zip(views, lead_strides):
+        strides += [*s, v.stride(-1)]"""
+        grouped_helper = ""
+        mode_args = ""
+    launch = [
+        "        *views,",
+        "        out,",
+        *(["        valid,"] if has_aux else []),
+        "        n_rows,",
+        "        n_cols,",
+        "        *dims[1:],",
+        "        *strides,",
+        "        ROWS=rows_per_program,",
+        "        BLOCK_N=block,",
+        "        SINGLE_PASS=single,",
+        "        FLAT_ROWS=flat,",
+        *(
+            [f"        MODE{i}=modes[{i}]," for i in range(n)] + ["        HAS_SPLIT=any(modes),"]
+            if grouped
+            else []
+        ),
+        "        num_warps=warps,",
+    ]
+    groups_const = f"\nGROUPS = {plan.groups}" if grouped else ""
     kinds = ", ".join(dict.fromkeys(s.op for s in plan.reductions))
     ops_desc = ", ".join(dict.fromkeys(plan.ops))
     operand_desc = ", ".join(
@@ -1246,7 +1419,7 @@ MAX_SINGLE = {p["MAX_SINGLE"]}
 CHUNK = {p["CHUNK"]}
 TILE = {p["TILE"]}
 NUM_WARPS = {p["num_warps"]}
-DTYPE = torch.{plan.out_dtype}
+DTYPE = torch.{plan.out_dtype}{groups_const}
 {helpers}
 
 @triton.jit
@@ -1264,7 +1437,7 @@ def row_reduction_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
-    FLAT_ROWS: tl.constexpr,
+    FLAT_ROWS: tl.constexpr,{mode_args}
 ):
 {kernel_body}
 {reduce_kernel}
@@ -1300,7 +1473,7 @@ def _coalesce(lead, strides):
     return [1] * pad + dims, [[0] * pad + s for s in strides], len(dims) <= 1
 
 
-def _pow2_at_most(x, cap):
+{grouped_helper}def _pow2_at_most(x, cap):
     return max(1, min(cap, 1 << (max(1, int(x)).bit_length() - 1)))
 
 
@@ -1311,24 +1484,7 @@ def row_reduction({", ".join(args)}):
     for t in ops:
         if t.device != device:
             raise ValueError(f"all operands must be on one device, got {{t.device}} and {{device}}")
-    row_shape = tuple(torch.broadcast_shapes({", ".join(f"ops[{i}].shape" for i in row_ops)}))
-    if not row_shape:
-        raise ValueError("a row reduction needs at least one dim")
-    lead = row_shape[:-1]
-    n_cols = row_shape[-1]
-    n_rows = math.prod(lead)
-    out = {out_alloc}{valid_alloc}
-    if n_rows == 0 or n_cols == 0:
-        raise ValueError(f"empty rows: shape {{row_shape}}")
-    views = [{", ".join(view_exprs)}]
-    layout = _coalesce(lead, [v.stride()[:-1] for v in views])
-    if layout is None:  # too many distinct broadcast dims: materialize the operands
-        views = [v.contiguous() for v in views]
-        layout = _coalesce(lead, [v.stride()[:-1] for v in views])
-    dims, lead_strides, flat = layout
-    strides = []
-    for v, s in zip(views, lead_strides):
-        strides += [*s, v.stride(-1)]
+{layout_block}
     single = n_cols <= MAX_SINGLE
     block = max(16, triton.next_power_of_2(n_cols)) if single else CHUNK
     rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
