@@ -33,6 +33,7 @@ VERIFIED = {
     "l2norm": SMALL,
     "row_stats": SMALL,  # float16 amax, mean and sum without keepdim
     "cross_entropy": SMALL,  # mean over rows, ignore_index, 70 classes in chunks
+    "groupnorm_silu": SMALL,  # groups of 18, 54 and 14 elements; ranks 4 and 3; channels-last
 }
 
 
@@ -226,6 +227,23 @@ PATTERNS = {
             [t.randn(3, 3, 70), t.randint(0, 70, (3, 3))],
         ],
     ),
+    "group_norm_silu_any_rank": (
+        "return F.silu(self.gn(x))",
+        "torch.randn(2, 8, 5, 5)",
+        "self.gn = nn.GroupNorm(4, 8)",
+        "x",
+        lambda t: [[t.randn(2, 8, 5, 5)], [t.randn(3, 8, 7)], [t.randn(2, 8)], [t.randn(1, 8, 3, 4, 5) + 2]],
+    ),
+    "group_norm_embedding_residual": (
+        "h = F.group_norm(x + emb, 2, self.w, self.b, 1e-6)\n        return h * torch.sigmoid(h) + x",
+        "torch.randn(2, 6, 4, 4), torch.randn(2, 6, 1, 1)",
+        "self.w = nn.Parameter(torch.rand(6)); self.b = nn.Parameter(torch.randn(6))",
+        "x, emb",
+        lambda t: [
+            [t.randn(2, 6, 4, 4), t.randn(2, 6, 1, 1)],
+            [t.randn(2, 4, 6, 6).permute(0, 3, 1, 2), t.randn(2, 6, 1, 1)],  # channels-last
+        ],
+    ),
     "cross_entropy_none_ignore": (
         "return F.cross_entropy(x / 2, t, reduction='none', ignore_index=0)",
         "torch.randn(8, 24), torch.randint(0, 24, (8,))",
@@ -328,6 +346,10 @@ def test_plan_structure():
     )
     assert stats.result_layout == "flat" and stats.layouts == ["row", "flat"]
 
+    _, group = plan_of((ROWS / "groupnorm_silu.py").read_text())
+    assert group.groups == 4 and group.layouts == ["row", "row", "row"]  # x, weight, bias
+    assert group.reshapes == [None, "channel", "channel"]  # (C,) weights broadcast along dim 1
+
     _, loss = plan_of((ROWS / "cross_entropy.py").read_text())
     assert loss.loss_reduction == "mean" and loss.index_operands == frozenset({1})
     assert loss.layouts == ["row", "flat"] and loss.out_shape == ()
@@ -357,7 +379,8 @@ def test_plan_structure():
         ("return x.sum(-1).sum(-1)", "torch.randn(4, 8, 5)", "pass", "already one per row"),
         ("return F.layer_norm(x, x.shape[-2:])", "torch.randn(4, 8, 5)", "pass", "computed at run time"),
         ("return F.layer_norm(x, (8, 5))", "torch.randn(4, 8, 5)", "pass", "last 2 dims"),
-        ("return F.group_norm(x, 2)", "torch.randn(4, 8, 5)", "pass", "'group_norm'"),
+        ("return F.group_norm(x, 2).softmax(-1)", "torch.randn(4, 8, 5)", "pass", "next to group_norm"),
+        ("return F.group_norm(x.softmax(-1), 2)", "torch.randn(4, 8, 5)", "pass", "next to another"),
         ("return x.softmax(-1) + y", "torch.randn(1, 8), torch.randn(3, 8)", "pass", "not the broadcast"),
     ],
 )
