@@ -1110,13 +1110,14 @@ class _KernelWriter:
         n = len(plan.operands)
         lines = [
             "pid = tl.program_id(0)",
-            "rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)",
+            "rows32 = pid * ROWS + tl.arange(0, ROWS)  # n_rows < 2**31: 32-bit row coordinates",
+            "rows = rows32.to(tl.int64)",
             "rmask = rows < n_rows",
         ]
         if plan.groups is not None:
             lines += [
                 "# row = (sample, group): dim1 groups of dim2 channels of dim3 positions",
-                "n_idx = rows // dim1",
+                "n_idx = (rows32 // dim1).to(tl.int64)",
                 "g_idx = rows - n_idx * dim1",
                 *(f"off{i} = n_idx * in{i}_s0 + g_idx * dim2 * in{i}_s1" for i in range(n)),
             ]
@@ -1149,11 +1150,11 @@ class _KernelWriter:
             "if FLAT_ROWS:",
             *(f"    off{i} = rows * in{i}_s{MAX_LEAD - 1}" for i in range(n)),
             "else:",
-            "    rem = rows",
+            "    rem = rows32",
         ]
         for d in range(MAX_LEAD - 1, 0, -1):
-            lines += [f"    c{d} = rem % dim{d}", f"    rem = rem // dim{d}"]
-        lines.append("    c0 = rem")
+            lines += [f"    c{d} = (rem % dim{d}).to(tl.int64)", f"    rem = rem // dim{d}"]
+        lines.append("    c0 = rem.to(tl.int64)")
         lines += [
             f"    off{i} = " + " + ".join(f"c{d} * in{i}_s{d}" for d in range(MAX_LEAD)) for i in range(n)
         ]
@@ -1485,6 +1486,8 @@ def row_reduction({", ".join(args)}):
         if t.device != device:
             raise ValueError(f"all operands must be on one device, got {{t.device}} and {{device}}")
 {layout_block}
+    if n_rows >= 2**31:
+        raise ValueError(f"{{n_rows}} rows: at most 2**31 - 1 are supported")
     single = n_cols <= MAX_SINGLE
     block = max(16, triton.next_power_of_2(n_cols)) if single else CHUNK
     rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
