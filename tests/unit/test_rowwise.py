@@ -170,6 +170,21 @@ PATTERNS = {
         "x",
         lambda t: [[t.randn(4, 24)], [t.randn(3, 24) * 3]],
     ),
+    "layer_norm_with_var": (
+        "m = x.mean(-1, keepdim=True)\n        v = x.var(-1, keepdim=True, unbiased=False)\n"
+        "        return (x - m) / torch.sqrt(v + 1e-5)",
+        "torch.randn(4, 24)",
+        "pass",
+        "x",
+        lambda t: [[t.randn(4, 24) + 3], [t.randn(3, 50)]],
+    ),
+    "std_and_var_corrections": (
+        "return x.std(-1) + torch.var(x, dim=-1, correction=2) + torch.std(x, -1, False, False)",
+        "torch.randn(4, 24)",
+        "pass",
+        "x",
+        lambda t: [[t.randn(4, 24) * 2], [t.randn(3, 50)]],
+    ),
     "rms_norm_module": (
         "return self.norm(x)",
         "torch.randn(4, 24)",
@@ -379,6 +394,7 @@ def test_plan_structure():
         ("return x * 2 + 1", "torch.randn(4, 8)", "pass", "elementwise (see fused_pointwise)"),
         ("return x.max(-1)[1].float()", "torch.randn(4, 8)", "pass", "argmax"),
         ("return x.sum(-1).sum(-1)", "torch.randn(4, 8, 5)", "pass", "already one per row"),
+        ("return x - x.mean(-1, keepdim=True)", "torch.randn(4, 1)", "pass", "rows of length 1"),
         ("return F.layer_norm(x, x.shape[-2:])", "torch.randn(4, 8, 5)", "pass", "computed at run time"),
         ("return F.layer_norm(x, (8, 5))", "torch.randn(4, 8, 5)", "pass", "last 2 dims"),
         ("return F.group_norm(x, 2).softmax(-1)", "torch.randn(4, 8, 5)", "pass", "next to group_norm"),

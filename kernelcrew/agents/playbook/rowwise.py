@@ -92,7 +92,7 @@ ROW_OPS = frozenset(
     {
         *("softmax", "log_softmax", "logsumexp", "layer_norm", "rms_norm", "normalize", "norm"),
         *("linalg_vector_norm", "sum", "mean", "amax", "amin", "max", "min", "cross_entropy"),
-        *("masked_fill", "group_norm"),
+        *("masked_fill", "group_norm", "var", "std"),
     }
 )
 RESHAPE_OPS = frozenset({"view", "reshape", "flatten"})
@@ -120,6 +120,11 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "amax": (("input", _REQUIRED), ("dim", ()), ("keepdim", False), ("out", None)),
     "max": (("input", _REQUIRED), ("dim", None), ("keepdim", False), ("out", None)),
     "logsumexp": (("input", _REQUIRED), ("dim", _REQUIRED), ("keepdim", False), ("out", None)),
+    # torch.var(x, dim, unbiased, keepdim) or torch.var(x, dim, *, correction=, keepdim=)
+    "var": (
+        *(("input", _REQUIRED), ("dim", None), ("unbiased", None), ("keepdim", False)),
+        *(("correction", None), ("out", None)),
+    ),
     "cross_entropy": (
         *(("input", _REQUIRED), ("target", _REQUIRED), ("weight", None), ("size_average", None)),
         *(("ignore_index", -100), ("reduce", None), ("reduction", "mean"), ("label_smoothing", 0.0)),
@@ -134,6 +139,7 @@ SIGNATURES["log_softmax"] = SIGNATURES["softmax"]
 SIGNATURES["mean"] = SIGNATURES["sum"]
 SIGNATURES["amin"] = SIGNATURES["amax"]
 SIGNATURES["min"] = SIGNATURES["max"]
+SIGNATURES["std"] = SIGNATURES["var"]
 
 #: ``torch.finfo(dtype).eps``: what ``F.rms_norm`` uses when ``eps`` is None.
 FINFO_EPS = {
@@ -235,6 +241,8 @@ def _match(a: TaskAnalysis) -> RowPlan:
         raise Unsupported("the output is not a tensor computed from the inputs")
     if not lowering.row_shapes:
         raise Unsupported("no reduction over the last dim: the forward is elementwise (see fused_pointwise)")
+    if any(shape and shape[-1] == 1 for shape in lowering.row_shapes):
+        raise Unsupported("rows of length 1 in the example inputs: per-element and per-row values look alike")
     if lowering.loss is not None and result != lowering.loss[0]:
         raise Unsupported("ops after cross_entropy are not supported: the loss must be the output")
 
@@ -732,6 +740,21 @@ class _RowLowering(_Lowering):
 
     lower_min = lower_max
 
+    def lower_var(self, node: dict[str, Any], b: dict[str, Any]) -> None:
+        """torch.var / torch.std: the moments' M2 over n - correction (1 unless unbiased=False)."""
+        name = node["name"]
+        if b["unbiased"] is not None and b["correction"] is not None:
+            raise Unsupported(f"{node['op']} ({name}) with both unbiased= and correction=")
+        if b["correction"] is not None:
+            correction = _number(b["correction"], node, "correction")
+        else:
+            correction = 0.0 if b["unbiased"] is False else 1.0
+        x = self.row_input(node, b, b["dim"], node["op"])
+        _, var = self.reduce(f"{name}_mom", "rmoments", x, bool(b["keepdim"]), correction=correction)
+        self.values[name] = var if node["op"] == "var" else self.emit(name, "sqrt", [var])
+
+    lower_std = lower_var
+
     def lower_masked_fill(self, node: dict[str, Any], b: dict[str, Any]) -> None:
         name = node["name"]
         x = self.num(self.arg(b["input"], node), name)
@@ -1009,9 +1032,15 @@ class _KernelWriter:
             return [
                 f"{o}_mean = tl.sum(tl.where(mask, {x}, 0.0), axis=1)[:, None] / n_cols",
                 f"{d} = tl.where(mask, {x} - {o}_mean, 0.0)",
-                f"{o}_var = tl.sum({d} * {d}, axis=1)[:, None] / n_cols",
+                f"{o}_var = tl.sum({d} * {d}, axis=1)[:, None] / {self.var_divisor(s)}",
             ]
         raise ValueError(f"no Triton code for reduction {s.op!r}")
+
+    @staticmethod
+    def var_divisor(s: Step) -> str:
+        """``n - correction``: n for the biased variance of the norms, n - 1 for torch.var's default."""
+        correction = dict(s.attrs).get("correction", 0)
+        return "n_cols" if correction == 0 else f"(n_cols - {correction!r})"
 
     def ce_finish(self, s: Step) -> list[str]:
         target = self.emitter.ref(s.args[1])
@@ -1084,7 +1113,7 @@ class _KernelWriter:
         if s.op == "rce":
             return self.ce_finish(s)
         if s.op == "rmoments":
-            return [f"{o}_mean = {r}_mean", f"{o}_var = {r}_m2 / n_cols"]
+            return [f"{o}_mean = {r}_mean", f"{o}_var = {r}_m2 / {self.var_divisor(s)}"]
         raise ValueError(f"no Triton code for reduction {s.op!r}")
 
     def store(self) -> list[str]:
