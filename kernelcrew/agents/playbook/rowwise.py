@@ -1196,7 +1196,15 @@ class _KernelWriter:
             "mask = rmask[:, None] & cmask[None, :]",
         ]
         if self.plan.groups is not None:  # channel and position of each column (dim3: positions)
-            lines += ["if HAS_SPLIT:", "    ch = cols // dim3", "    sp = cols - ch * dim3"]
+            lines += [
+                "if HAS_SPLIT:",
+                "    if WIDE_POSITIONS:  # a block spans at most two channels: a compare, not a division",
+                f"        ch0 = ({start or '0'}) // dim3",
+                "        ch = ch0 + (cols >= (ch0 + 1) * dim3).to(tl.int32)",
+                "    else:",
+                "        ch = cols // dim3",
+                "    sp = cols - ch * dim3",
+            ]
         return lines
 
     def single_pass(self, early: list[Step]) -> list[str]:
@@ -1368,7 +1376,8 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
 
 '''
         mode_args = (
-            "".join(f"\n    MODE{i}: tl.constexpr," for i in range(n)) + "\n    HAS_SPLIT: tl.constexpr,"
+            "".join(f"\n    MODE{i}: tl.constexpr," for i in range(n))
+            + "\n    HAS_SPLIT: tl.constexpr,\n    WIDE_POSITIONS: tl.constexpr,"
         )
     else:
         layout_block = f"""    row_shape = tuple(torch.broadcast_shapes({shapes}))
@@ -1404,7 +1413,8 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
         "        SINGLE_PASS=single,",
         "        FLAT_ROWS=flat,",
         *(
-            [f"        MODE{i}=modes[{i}]," for i in range(n)] + ["        HAS_SPLIT=any(modes),"]
+            [f"        MODE{i}=modes[{i}]," for i in range(n)]
+            + ["        HAS_SPLIT=any(modes),", "        WIDE_POSITIONS=positions >= block,"]
             if grouped
             else []
         ),
