@@ -6,7 +6,7 @@ import importlib.util
 import inspect
 import textwrap
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -261,6 +261,13 @@ PATTERNS = {
             [t.randn(2, 4, 6, 6).permute(0, 3, 1, 2), t.randn(2, 6, 1, 1)],  # channels-last
         ],
     ),
+    "cross_entropy_module": (
+        "return self.loss(x, t)",
+        "torch.randn(8, 24), torch.randint(0, 24, (8,))",
+        "self.loss = nn.CrossEntropyLoss(ignore_index=3, reduction='sum')",
+        "x, t",
+        lambda t: [[t.randn(8, 24), t.randint(0, 24, (8,))], [t.randn(5, 70), t.tensor([3, 1, 3, 69, 0])]],
+    ),
     "cross_entropy_none_ignore": (
         "return F.cross_entropy(x / 2, t, reduction='none', ignore_index=0)",
         "torch.randn(8, 24), torch.randint(0, 24, (8,))",
@@ -434,6 +441,18 @@ def test_cross_entropy_rejects_with_a_reason(forward, reason):
     assert reason in why
 
 
+def test_cross_entropy_module_with_class_weights_is_refused():
+    source = task_source(
+        "return self.loss(x, t)",
+        "torch.randn(4, 8), torch.randint(0, 8, (4,))",
+        "self.loss = nn.CrossEntropyLoss(weight=torch.rand(8))",
+        "x, t",
+    )
+    plan, why = match(local_analysis(source))
+    assert plan is None
+    assert "class weights" in why
+
+
 # ----------------------------------------------------------------------------------------------
 # Parameters, tuning and the menu
 # ----------------------------------------------------------------------------------------------
@@ -579,7 +598,6 @@ def compile_for_sm90(jobs: dict[str, tuple[str, str]], workdir: str) -> dict[str
 def sm90_builds(tmp_path_factory):
     """Each COMPILED fixture's candidate (SMALL blocks, 4 warps) compiled in one spawned process."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     jobs = {}
     for name in COMPILED:
@@ -610,16 +628,26 @@ def test_kernels_compile_for_sm90(name, sm90_builds):
 
 @pytest.fixture(scope="module")
 def verdicts():
-    """Each fixture task's candidate through the whole verification protocol, two at a time."""
+    """Each fixture task's candidate through the whole verification protocol, two at a time.
 
-    def run(name: str):
+    The candidates are generated here first (FX tracing is not thread-safe); the verifications run
+    in two spawned processes, not threads: CPython 3.11's ``ast`` module (the verifier's static
+    checks) fails when two threads parse at once.
+    """
+    import multiprocessing
+
+    jobs = {}
+    for name, params in VERIFIED.items():
         source = (ROWS / f"{name}.py").read_text()
         a, plan = plan_of(source)
-        candidate = generate_rowwise(a, plan, VERIFIED[name])
-        return verify(source, candidate, device="cpu", settings=SETTINGS, task_path=f"{name}.py")
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run, name) for name in VERIFIED}
+        jobs[name] = (source, generate_rowwise(a, plan, params))
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {
+            name: pool.submit(
+                verify, source, candidate, device="cpu", settings=SETTINGS, task_path=f"{name}.py"
+            )
+            for name, (source, candidate) in jobs.items()
+        }
         return {name: future.result() for name, future in futures.items()}
 
 
