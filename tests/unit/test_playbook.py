@@ -605,6 +605,7 @@ def test_menu(analyses):
     reasons = dict((s.name, r) for s, r in applicable(analyses["pointwise"]))
     assert "mul, add, tanh" in reasons["fused_pointwise"]
     assert [s.name for s, _ in applicable(analyses["softmax"])] == [
+        "row_reduction",
         "torch_compile",
         "torch_compile_max_autotune",
     ]

@@ -55,6 +55,14 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.pointwise",
         ),
         Strategy(
+            "row_reduction",
+            "kernel",
+            "The forward reduces each row of its last dim (softmax, log-softmax, layer/RMS/L2 norm, "
+            "sum/mean/max, cross-entropy) between elementwise ops: one Triton kernel per block of rows, "
+            "single pass in registers when a row fits, online multi-pass otherwise.",
+            module=f"{_PKG}.rowwise",
+        ),
+        Strategy(
             "torch_compile",
             "compiler",
             "The task's own module through torch.compile (Inductor, mode='default', dynamic=False).",

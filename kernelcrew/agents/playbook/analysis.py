@@ -102,6 +102,7 @@ MODULE_OPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "FeatureAlphaDropout": ("dropout", ("p",), ()),
     "Softmax": ("softmax", ("dim",), ()),
     "LogSoftmax": ("log_softmax", ("dim",), ()),
+    "CrossEntropyLoss": ("cross_entropy", ("ignore_index", "reduction", "label_smoothing"), ("weight",)),
     "Linear": ("linear", (), ("weight", "bias")),
     "Bilinear": ("bilinear", (), ("weight", "bias")),
     "Conv1d": ("conv1d", ("stride", "padding", "dilation", "groups"), ("weight", "bias")),
