@@ -510,6 +510,22 @@ class _Lowering:
 # ----------------------------------------------------------------------------------------------
 
 
+CONTAINER_SOURCE = """def _container(root, path):
+    \"\"\"The submodule at dotted ``path`` of ``root``, made of empty nn.Module()s where missing.\"\"\"
+    module = root
+    for part in path.split(".") if path else []:
+        try:
+            module = module.get_submodule(part)
+        except AttributeError:
+            child = nn.Module()
+            module.add_module(part, child)
+            module = child
+    return module
+"""
+"""Emitted into every generated candidate (candidates are self-contained files): the submodule
+where a state-dict entry of the reference lives."""
+
+
 def arch_class(arch: str) -> str:
     """``sm_86`` -> ``sm_80``, ``sm_90a`` -> ``sm_90``, ``sm_120`` -> ``sm_100``, ``cpu`` -> ``cpu``.
 
@@ -979,18 +995,7 @@ def fused_pointwise({", ".join(args)}):
     return out
 
 
-def _container(root, path):
-    """The submodule at dotted ``path`` of ``root``, made of empty nn.Module()s where missing."""
-    module = root
-    for part in path.split(".") if path else []:
-        try:
-            module = module.get_submodule(part)
-        except AttributeError:
-            child = nn.Module()
-            module.add_module(part, child)
-            module = child
-    return module
-
+{CONTAINER_SOURCE}
 
 class ModelNew(nn.Module):
     """The task's module as one fused pointwise kernel; same state dict names and shapes."""

@@ -52,6 +52,7 @@ from typing import Any
 
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
 from kernelcrew.agents.playbook.pointwise import (
+    CONTAINER_SOURCE,
     FLOAT_DTYPES,
     HELPER_ORDER,
     HELPERS,
@@ -1537,18 +1538,7 @@ def row_reduction({", ".join(args)}):
     ){finish}
 
 
-def _container(root, path):
-    """The submodule at dotted ``path`` of ``root``, made of empty nn.Module()s where missing."""
-    module = root
-    for part in path.split(".") if path else []:
-        try:
-            module = module.get_submodule(part)
-        except AttributeError:
-            child = nn.Module()
-            module.add_module(part, child)
-            module = child
-    return module
-
+{CONTAINER_SOURCE}
 
 class ModelNew(nn.Module):
     """The task's module as one row reduction kernel; same state dict names and shapes."""
