@@ -155,9 +155,8 @@ def create_token(session: Session, user: str, scopes: list[str]) -> tuple[ApiTok
         row = User(name=user)
         session.add(row)
         session.flush()
-    secret = secrets.token_urlsafe(32)
-    prefix = secret[:8]
-    token = f"{TOKEN_PREFIX}{prefix}_{secret[8:]}"
+    prefix = secrets.token_hex(4)  # names the token in lists and `token revoke`; no "_" in it
+    token = f"{TOKEN_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
     tok = ApiToken(
         user_id=row.id,
         prefix=prefix,
