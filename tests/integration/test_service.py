@@ -7,13 +7,17 @@ lease so the kill test is quick) and one ``kernelcrew worker`` on the cpu queue.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -197,15 +201,31 @@ def sse(c: httpx.Client, job_id: str, last_id: int | None = None) -> list[tuple[
     return events
 
 
-def submit_verify(c: httpx.Client) -> dict[str, Any]:
-    r = c.post("/api/v1/jobs", json={"task": TASK, "candidate": CANDIDATE, "mode": "verify", "options": FAST})
+class Hooks(BaseHTTPRequestHandler):
+    received: list[tuple[bytes, str]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        Hooks.received.append((body, self.headers.get("x-kernelcrew-signature", "")))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def submit_verify(c: httpx.Client, **options: Any) -> dict[str, Any]:
+    body = {"task": TASK, "candidate": CANDIDATE, "mode": "verify", "options": {**FAST, **options}}
+    r = c.post("/api/v1/jobs", json=body)
     assert r.status_code == 201, r.text
     return r.json()
 
 
 def test_a_verify_job_runs_to_the_end_and_its_events_stream_and_resume(service):
+    hooks = HTTPServer(("127.0.0.1", 0), Hooks)
+    threading.Thread(target=hooks.serve_forever, daemon=True).start()
     with service.client("alice") as c:
-        job = submit_verify(c)
+        job = submit_verify(c, webhook_url=f"http://127.0.0.1:{hooks.server_port}/hook")
         assert job["status"] == "queued"
         done = wait_status(service, job["id"], ("succeeded", "failed"))
         assert done["status"] == "succeeded", done
@@ -223,6 +243,40 @@ def test_a_verify_job_runs_to_the_end_and_its_events_stream_and_resume(service):
         assert other.get(f"/api/v1/jobs/{job['id']}").status_code == 404
         assert other.get(f"/api/v1/jobs/{job['id']}/events").status_code == 404
         assert job["id"] not in [j["id"] for j in other.get("/api/v1/jobs").json()["items"]]
+    # the webhook arrives signed with the submitting token's secret
+    wait_for(lambda: Hooks.received, 30, "the webhook")
+    hooks.shutdown()
+    body, signature = Hooks.received[0]
+    assert json.loads(body) == {"id": job["id"], "status": "succeeded", "error": None}
+    with transaction(service.engine) as s:
+        secret = s.scalar(
+            select(jobs.ApiToken.webhook_secret).where(
+                jobs.ApiToken.id == s.get(jobs.Job, job["id"]).token_id
+            )
+        )
+    assert signature == "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def test_a_chat_message_resumes_a_finished_job_and_changes_its_plan(service):
+    options = {"device": "cpu", "compile_modes": "none", "quick": True, "backend": "playbook", "max_iters": 1}
+    with service.client("alice") as c:
+        r = c.post("/api/v1/jobs", json={"task": TASK, "mode": "optimize", "options": options})
+        assert r.status_code == 201, r.text
+        job = r.json()
+        first = wait_status(service, job["id"], ("succeeded", "failed"))
+        assert first["status"] == "succeeded", c.get(f"/api/v1/jobs/{job['id']}/result").json()
+        r = c.post(f"/api/v1/jobs/{job['id']}/messages", json={"text": "stop"})
+        assert r.status_code == 202 and r.json()["status"] == "queued"
+        again = wait_status(service, job["id"], ("succeeded", "failed"))
+        assert again["status"] == "succeeded" and again["attempts"] == 2
+        res = c.get(f"/api/v1/jobs/{job['id']}/result").json()
+        assert res["result"]["stop_reason"] == "stopped by the user", res["result"]
+        assert res["best_source"] and res["report_md"]
+        events = sse(c, job["id"])
+    kinds = [e[1] for e in events]
+    assert kinds.count("baseline") == 1  # resumed from its checkpoint, not started over
+    replies = [e[2]["message"] for e in events if e[1] == "reply"]
+    assert any("Stopping" in m for m in replies), replies
 
 
 def test_auth_is_enforced(service):
