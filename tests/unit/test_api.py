@@ -1,0 +1,45 @@
+"""The API's limits and job handling on SQLite, in-process (no orchestrator: jobs stay queued)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kernelcrew.api.app import create_app
+from kernelcrew.config import Settings
+from kernelcrew.knowledge_base.db import get_engine, transaction
+from kernelcrew.worker import jobs
+from tests.conftest import FIXTURES
+
+TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()
+
+
+@pytest.fixture
+def api(tmp_path):
+    s = Settings(data_dir=tmp_path, api_rate_per_minute=8, api_max_active_jobs=1)
+    with transaction(get_engine(s)) as session:
+        token = jobs.create_token(session, "ann", ["submit", "read"])[1]
+    client = TestClient(create_app(s))
+    client.headers["authorization"] = f"Bearer {token}"
+    return client
+
+
+def test_multipart_upload_cancel_and_the_active_jobs_limit(api):
+    r = api.post(
+        "/api/v1/jobs", files={"task": ("task.py", TASK.encode())}, data={"options": '{"max_iters": 1}'}
+    )
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["status"] == "queued" and job["mode"] == "optimize" and job["options"] == {"max_iters": 1}
+    r = api.post("/api/v1/jobs", json={"task": TASK})
+    assert r.status_code == 429 and "at most 1" in r.json()["detail"]
+    assert api.post(f"/api/v1/jobs/{job['id']}/messages", json={"text": "only triton"}).status_code == 202
+    assert api.post(f"/api/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+    assert api.post(f"/api/v1/jobs/{job['id']}/cancel").status_code == 409
+    assert api.get(f"/api/v1/jobs/{job['id']}/result").json()["status"] == "cancelled"
+    assert api.post("/api/v1/jobs", json={"task": TASK}).status_code == 201  # the slot is free again
+
+
+def test_the_request_rate_per_token_is_limited(api):
+    codes = [api.get("/api/v1/jobs").status_code for _ in range(10)]
+    assert codes[:8] == [200] * 8 and codes[8:] == [429, 429]
