@@ -214,21 +214,26 @@ class Hooks(BaseHTTPRequestHandler):
         pass
 
 
-def submit_verify(c: httpx.Client, **options: Any) -> dict[str, Any]:
-    body = {"task": TASK, "candidate": CANDIDATE, "mode": "verify", "options": {**FAST, **options}}
-    r = c.post("/api/v1/jobs", json=body)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
 def test_a_verify_job_runs_to_the_end_and_its_events_stream_and_resume(service):
     hooks = HTTPServer(("127.0.0.1", 0), Hooks)
     threading.Thread(target=hooks.serve_forever, daemon=True).start()
+    options = {**FAST, "webhook_url": f"http://127.0.0.1:{hooks.server_port}/hook"}
+    task, candidate = FIXTURES / "tasks" / "pointwise.py", FIXTURES / "candidates" / "pointwise_triton.py"
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "kernelcrew", "submit", str(task), "--candidate", str(candidate)),
+            *("--server", service.url, "--token", service.tokens["alice"]),
+            *("--options", json.dumps(options), "--wait"),
+        ],
+        env=service.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr, service.procs["orch1"].log())
+    job = {"id": out.stdout.splitlines()[0]}
     with service.client("alice") as c:
-        job = submit_verify(c, webhook_url=f"http://127.0.0.1:{hooks.server_port}/hook")
-        assert job["status"] == "queued"
-        done = wait_status(service, job["id"], ("succeeded", "failed"))
-        assert done["status"] == "succeeded", done
+        assert c.get(f"/api/v1/jobs/{job['id']}").json()["status"] == "succeeded"
         res = c.get(f"/api/v1/jobs/{job['id']}/result").json()
         assert res["result"]["verdict"] == "pass", res
         assert res["result"]["timing"] is not None
