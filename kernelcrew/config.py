@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     job_lease_s: float = Field(
         60.0, gt=0, description="An orchestrator's lease on a job, renewed by heartbeat."
     )
+    job_max_attempts: int = Field(
+        5, ge=1, description="Leases of one job (orchestrators lost) before it fails."
+    )
     orchestrator_poll_s: float = Field(
         1.0, gt=0, description="How often an idle orchestrator looks for jobs."
     )

@@ -205,16 +205,28 @@ def add_event(session: Session, job_id: str, kind: str, data: dict[str, Any]) ->
     return last + 1
 
 
-def lease_job(engine: Engine, owner: str, lease_s: float) -> Job | None:
-    """Take one queued job, or a running one whose lease expired; None when there is none."""
+def lease_job(engine: Engine, owner: str, lease_s: float, max_attempts: int = 5) -> Job | None:
+    """Take one queued job, or a running one whose lease expired; None when there is none.
+
+    A job whose orchestrators died ``max_attempts`` times fails instead of being taken again: a
+    job that kills its orchestrator is never looped.
+    """
     t = now()
     with transaction(engine) as s:
         cond = or_(Job.status == "queued", and_(Job.status == "running", Job.lease_expires_at < t))
-        job = s.scalar(
-            select(Job).where(cond).order_by(Job.created_at).limit(1).with_for_update(skip_locked=True)
-        )
-        if job is None:
-            return None
+        while True:
+            job = s.scalar(
+                select(Job).where(cond).order_by(Job.created_at).limit(1).with_for_update(skip_locked=True)
+            )
+            if job is None:
+                return None
+            if job.status != "running" or job.attempts < max_attempts:
+                break
+            error = f"its orchestrator was lost {job.attempts} times; not retried again"
+            job.status, job.error, job.finished_at, job.updated_at = "failed", error, t, t
+            job.lease_owner = job.lease_expires_at = None
+            add_event(s, job.id, "status", {"status": "failed", "error": error})
+            s.flush()
         resumed = job.status == "running"
         job.status = "running"
         job.lease_owner = owner

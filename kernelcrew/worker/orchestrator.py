@@ -74,7 +74,9 @@ class Orchestrator:
             "orchestrator %s polling %s", self.name, self.engine.url.render_as_string(hide_password=True)
         )
         while not self.stopping.is_set():
-            job = jobs.lease_job(self.engine, self.name, self.settings.job_lease_s)
+            job = jobs.lease_job(
+                self.engine, self.name, self.settings.job_lease_s, self.settings.job_max_attempts
+            )
             if job is None:
                 if once:
                     return

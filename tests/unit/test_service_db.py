@@ -96,3 +96,55 @@ def test_a_job_is_leased_once_and_again_after_its_lease_expires(engine):
 def list_queued(engine) -> list[str]:
     with transaction(engine) as s:
         return list(s.scalars(select(jobs.Job.id).where(jobs.Job.status == "queued")))
+
+
+def add_job(engine, **kw) -> str:
+    with transaction(engine) as s:
+        user = jobs.User(name=f"u-{time.time_ns()}")
+        s.add(user)
+        s.flush()
+        fields = {"status": "queued", "mode": "verify", "task_source": "x", "options": {}, **kw}
+        job = jobs.Job(id=jobs.new_job_id(), owner_id=user.id, created_at=jobs.now(), **fields)
+        s.add(job)
+        return job.id
+
+
+def test_a_job_that_keeps_losing_its_orchestrator_fails_instead_of_looping(engine):
+    for other in list_queued(engine):
+        with transaction(engine) as s:
+            s.get(jobs.Job, other).status = "cancelled"
+    job_id = add_job(engine)
+    assert jobs.lease_job(engine, "o1", 0.2, max_attempts=2).attempts == 1
+    time.sleep(0.3)
+    assert jobs.lease_job(engine, "o2", 0.2, max_attempts=2).attempts == 2
+    time.sleep(0.3)
+    assert jobs.lease_job(engine, "o3", 0.2, max_attempts=2) is None
+    with transaction(engine) as s:
+        job = s.get(jobs.Job, job_id)
+        assert job.status == "failed" and "lost 2 times" in job.error
+
+
+def test_a_cancelled_job_stops_before_its_next_step(engine, tmp_path):
+    from kernelcrew.worker.orchestrator import Orchestrator
+
+    class NoWork:
+        def verify(self, request):
+            raise AssertionError("a cancelled job must not run")
+
+        def close(self):
+            pass
+
+    for other in list_queued(engine):
+        with transaction(engine) as s:
+            s.get(jobs.Job, other).status = "cancelled"
+    job_id = add_job(engine, cancel_requested=True)
+    orch = Orchestrator.__new__(Orchestrator)
+    orch.settings = Settings(data_dir=tmp_path, job_lease_s=5)
+    orch.local, orch.name, orch.engine = True, "o-cancel", engine
+    orch._executor = lambda job: NoWork()
+    job = jobs.lease_job(engine, orch.name, 5)
+    assert job.id == job_id
+    orch.run_job(job)
+    with transaction(engine) as s:
+        job = s.get(jobs.Job, job_id)
+        assert job.status == "cancelled" and job.lease_owner is None
