@@ -69,7 +69,7 @@ def serve(
 
     get_engine()  # migrate once before the children start
     cmd = [sys.executable, "-m", "kernelcrew", "orchestrator", *(["--local"] if local else [])]
-    children = [subprocess.Popen(cmd) for _ in range(orchestrators)]
+    children = [subprocess.Popen(cmd, preexec_fn=_die_with_parent) for _ in range(orchestrators)]
     try:
         uvicorn.run(create_app(), host=host, port=port, log_level="info")
     finally:
@@ -80,6 +80,18 @@ def serve(
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def _die_with_parent() -> None:
+    """Linux: the orchestrator gets SIGTERM when `serve` exits by any means (uvicorn re-raises the
+    SIGTERM it handled, which ends the process before a ``finally`` could stop the children)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def submit(
