@@ -10,12 +10,12 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError
 from sqlalchemy import func, select, text
 
 from kernelcrew.config import Settings, get_settings
@@ -36,6 +36,27 @@ class Principal:
 
     def can(self, scope: str) -> bool:
         return scope in self.scopes or "admin" in self.scopes
+
+
+class JobOptions(BaseModel):
+    """What a job may ask for; anything else is refused (422) rather than failing the job later."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: str = "auto"
+    model: str = ""
+    max_iters: int = Field(6, ge=1, le=200)
+    time_budget_s: float = Field(900.0, gt=0, le=7 * 86400)
+    precision: Literal["strict", "relaxed"] = "strict"
+    device: Literal["cuda", "cpu"] = "cuda"
+    gpu: str | None = Field(None, description="A GPU model (h100-sxm) or architecture (sm_90).")
+    local_only: bool = False
+    compile_modes: str = "auto"
+    quick: bool = False
+    seed: int | None = None
+    timing: bool = True
+    use_kb: bool = False
+    webhook_url: HttpUrl | None = None
 
 
 class JobIn(BaseModel):
@@ -188,6 +209,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise HTTPException(422, "the task is missing")
         if not isinstance(options, dict):
             raise HTTPException(422, "options must be a JSON object")
+        try:
+            checked = JobOptions.model_validate(options)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise HTTPException(422, f"bad options: {problems}") from exc
+        options = checked.model_dump(mode="json")  # stored complete: what the job ran with
         if mode not in jobs.MODES:
             raise HTTPException(422, f"mode must be one of {', '.join(jobs.MODES)}")
         task = _source(raw_task, "task", "task")

@@ -30,7 +30,8 @@ def test_multipart_upload_cancel_and_the_active_jobs_limit(api):
     )
     assert r.status_code == 201, r.text
     job = r.json()
-    assert job["status"] == "queued" and job["mode"] == "optimize" and job["options"] == {"max_iters": 1}
+    assert job["status"] == "queued" and job["mode"] == "optimize"
+    assert job["options"]["max_iters"] == 1 and job["options"]["device"] == "cuda"
     r = api.post("/api/v1/jobs", json={"task": TASK})
     assert r.status_code == 429 and "at most 1" in r.json()["detail"]
     assert api.post(f"/api/v1/jobs/{job['id']}/messages", json={"text": "only triton"}).status_code == 202
@@ -43,3 +44,10 @@ def test_multipart_upload_cancel_and_the_active_jobs_limit(api):
 def test_the_request_rate_per_token_is_limited(api):
     codes = [api.get("/api/v1/jobs").status_code for _ in range(10)]
     assert codes[:8] == [200] * 8 and codes[8:] == [429, 429]
+
+
+def test_unknown_or_bad_options_are_refused(api):
+    r = api.post("/api/v1/jobs", json={"task": TASK, "options": {"max_iter": 3}})
+    assert r.status_code == 422 and "max_iter" in r.json()["detail"]
+    r = api.post("/api/v1/jobs", json={"task": TASK, "options": {"device": "tpu"}})
+    assert r.status_code == 422 and "device" in r.json()["detail"]
