@@ -51,3 +51,52 @@ def test_unknown_or_bad_options_are_refused(api):
     assert r.status_code == 422 and "max_iter" in r.json()["detail"]
     r = api.post("/api/v1/jobs", json={"task": TASK, "options": {"device": "tpu"}})
     assert r.status_code == 422 and "device" in r.json()["detail"]
+
+
+def test_a_webhook_is_signed_and_retried_until_delivered(tmp_path):
+    import hashlib
+    import hmac
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from kernelcrew.worker.orchestrator import send_webhook
+
+    got: list[tuple[bytes, str]] = []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            got.append(
+                (self.rfile.read(int(self.headers["content-length"])), self.headers["x-kernelcrew-signature"])
+            )
+            self.send_response(503 if len(got) == 1 else 204)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    s = Settings(data_dir=tmp_path, webhook_attempts=3)
+    engine = get_engine(s)
+    with transaction(engine) as session:
+        tok = jobs.create_token(session, "ann", ["submit"])[0]
+        job = jobs.Job(
+            id=jobs.new_job_id(),
+            owner_id=tok.user_id,
+            token_id=tok.id,
+            status="succeeded",
+            mode="verify",
+            task_source="x",
+            options={},
+            created_at=jobs.now(),
+        )
+        session.add(job)
+        secret = tok.webhook_secret
+    url = f"http://127.0.0.1:{server.server_port}/hook"
+    assert send_webhook(s, engine, job.id, url, "succeeded", None)
+    server.shutdown()
+    assert len(got) == 2 and got[0] == got[1]
+    body, signature = got[1]
+    assert json.loads(body)["id"] == job.id
+    assert signature == "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
