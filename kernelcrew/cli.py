@@ -12,9 +12,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kernelcrew.api.cli import serve, submit, token_app
 from kernelcrew.knowledge_base.cli import app as kb_app
 from kernelcrew.task import TaskError, read_source
-from kernelcrew.worker.cli import worker
+from kernelcrew.worker.cli import orchestrator, worker
 
 app = typer.Typer(
     help="kernelcrew: verified, faster GPU kernels for PyTorch modules.",
@@ -23,6 +24,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(kb_app, name="kb")
+app.add_typer(token_app, name="token")
 console = Console(stderr=True)
 
 
@@ -572,3 +574,6 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 app.command()(worker)
+app.command()(orchestrator)
+app.command()(serve)
+app.command()(submit)

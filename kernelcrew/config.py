@@ -134,6 +134,21 @@ class Settings(BaseSettings):
     kb_owner: str = Field("", description="Who the CLI acts as in the knowledge base; empty: the OS user.")
     kb_team: str = Field("", description="The CLI user's team (sees the team's records); empty: none.")
 
+    # Service (kernelcrew/api, kernelcrew/worker/orchestrator.py).
+    job_lease_s: float = Field(
+        60.0, gt=0, description="An orchestrator's lease on a job, renewed by heartbeat."
+    )
+    job_max_attempts: int = Field(
+        5, ge=1, description="Leases of one job (orchestrators lost) before it fails."
+    )
+    orchestrator_poll_s: float = Field(
+        1.0, gt=0, description="How often an idle orchestrator looks for jobs."
+    )
+    api_max_upload_bytes: int = Field(1024 * 1024, gt=0, description="Largest task or candidate source.")
+    api_max_active_jobs: int = Field(4, ge=1, description="Queued + running jobs one user may have.")
+    api_rate_per_minute: int = Field(600, ge=1, description="Requests one token may make per minute.")
+    webhook_attempts: int = Field(4, ge=1, description="Deliveries of one webhook (backoff 1, 2, 4 s).")
+
 
 def resolve_database_url(settings: Settings) -> str:
     """The SQLAlchemy URL to connect to: ``database_url``, or the SQLite file ``data_dir/kernelcrew.db``.

@@ -85,12 +85,17 @@ def run_optimize(
     executor: Any = None,
     chat: Any = None,
     kb: Any = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    thread_id: str | None = None,
+    checkpointer: Any = None,
 ) -> dict[str, Any] | None:
     """Start or continue a run and return its report (``None`` if it ended without one).
 
     ``executor``, ``chat`` and ``kb`` are injectable (tests, the service); by default a
     LocalExecutor, the provider the settings name and the configured knowledge base (none when
-    ``req.use_kb`` is false).
+    ``req.use_kb`` is false). The service passes ``on_event`` (every event, besides the console),
+    ``thread_id`` (the job id: started when new, continued when it has a checkpoint) and its own
+    ``checkpointer``.
     """
     from kernelcrew.agents.llm import UsageMeter
     from kernelcrew.agents.playbook import analyze
@@ -98,10 +103,11 @@ def run_optimize(
 
     s = settings or get_settings()
     out = console or Console(stderr=True)
-    run_id = req.resume or new_run_id()
+    run_id = req.resume or thread_id or new_run_id()
     run_dir = s.data_dir / "runs" / run_id
     graph = compile_graph(
-        sqlite_checkpointer(s.data_dir / "checkpoints.sqlite"), pause_before_plan=ask is not None
+        checkpointer or sqlite_checkpointer(s.data_dir / "checkpoints.sqlite"),
+        pause_before_plan=ask is not None,
     )
     config = {"configurable": {"thread_id": run_id}, "recursion_limit": 500}
     snapshot = graph.get_state(config)
@@ -123,7 +129,7 @@ def run_optimize(
         meter=meter,
         out_dir=req.out or run_dir,
         run_id=run_id,
-        on_event=_printer(out),
+        on_event=_fanout(_printer(out), on_event),
         analyze=lambda source, path, seed: analyze(source, path, seed=seed, settings=s),
         kb=kb if req.use_kb else None,
     )
@@ -230,6 +236,15 @@ def _new_state(req: OptimizeRequest, backend: str, s: Settings) -> CrewState:
         user_messages=list(req.messages),
         started_at=time.time(),
     )
+
+
+def _fanout(*callbacks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    def emit(event: dict[str, Any]) -> None:
+        for callback in callbacks:
+            if callback is not None:
+                callback(event)
+
+    return emit
 
 
 def _printer(console: Console) -> Callable[[dict[str, Any]], None]:

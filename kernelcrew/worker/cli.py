@@ -86,3 +86,21 @@ def worker(
         )
     supervisor = Supervisor(specs, loglevel=loglevel, shutdown_timeout_s=settings.task_time_limit_s + 30.0)
     raise typer.Exit(supervisor.run())
+
+
+def orchestrator(
+    local: Annotated[
+        bool, typer.Option("--local", help="Run GPU work on this machine (LocalExecutor), not on workers.")
+    ] = False,
+    once: Annotated[bool, typer.Option(help="Run at most one job, then exit.")] = False,
+    loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run jobs from the database: lease one, run its graph (or verify-only check), store the result."""
+    import signal
+
+    from kernelcrew.worker.orchestrator import Orchestrator
+
+    logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    orch = Orchestrator(local=local)
+    signal.signal(signal.SIGTERM, lambda *_: orch.stopping.set())
+    orch.run_forever(once=once)

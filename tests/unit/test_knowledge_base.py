@@ -690,7 +690,11 @@ def test_best_known_params_come_first_then_seed_ranges():
 
 
 def test_arrows_point_one_way():
-    """knowledge_base imports nothing of the agents, the API or the workers (they import it)."""
+    """knowledge_base imports nothing of the agents, the API or the workers (they import it).
+
+    One exception: the migration environment (``migrations/env.py``) belongs to the shared database
+    rather than to the knowledge base, and imports every module that defines tables (the service's
+    ``kernelcrew.worker.jobs`` too) so that the models-versus-head comparison sees all of them."""
     import ast
     from pathlib import Path
 
@@ -698,6 +702,8 @@ def test_arrows_point_one_way():
 
     found = []
     for path in Path(package.__file__).parent.rglob("*.py"):
+        if path.parent.name == "migrations" and path.name == "env.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom):

@@ -1,0 +1,314 @@
+"""The service's tables (users, API tokens, jobs, job events, job messages) and their operations.
+
+They live here, beside the orchestrator, rather than in ``kernelcrew/api``: the orchestrator leases
+and finishes jobs and writes their events without importing FastAPI, and the API only adds HTTP on
+top. They share the knowledge base's declarative ``Base`` and its one Alembic history.
+
+Tokens are stored as a SHA-256 hash and a short prefix (to name them); the token itself is shown
+once. Leasing: one queued job, or a running job whose lease expired (its orchestrator died), is
+taken in one transaction -- ``SELECT ... FOR UPDATE SKIP LOCKED`` on PostgreSQL; on SQLite the
+transaction already holds the write lock (``BEGIN IMMEDIATE``), so the select-then-update is atomic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    and_,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from kernelcrew.knowledge_base.db import Base, transaction
+
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+ENDED = ("succeeded", "failed", "cancelled")
+MODES = ("optimize", "verify")
+SCOPES = ("submit", "read", "admin")
+TOKEN_PREFIX = "kc_"
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    team: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[list[str]] = mapped_column(JSON)
+    webhook_secret: Mapped[str] = mapped_column(String(64))
+    """Signs this token's webhooks (HMAC-SHA256); not a credential for the API."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    token_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="SET NULL"), nullable=True
+    )
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    mode: Mapped[str] = mapped_column(String(16))
+    task_source: Mapped[str] = mapped_column(Text)
+    candidate_source: Mapped[str | None] = mapped_column(Text, nullable=True)
+    options: Mapped[dict[str, Any]] = mapped_column(JSON)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        def iso(d: datetime | None) -> str | None:
+            return None if d is None else d.isoformat()
+
+        return {
+            "id": self.id,
+            "status": self.status,
+            "mode": self.mode,
+            "options": self.options,
+            "attempts": self.attempts,
+            "cancel_requested": self.cancel_requested,
+            "error": self.error,
+            "created_at": iso(self.created_at),
+            "started_at": iso(self.started_at),
+            "finished_at": iso(self.finished_at),
+        }
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (UniqueConstraint("job_id", "seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    type: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class JobMessage(Base):
+    __tablename__ = "job_messages"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    taken_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Users and tokens
+# ------------------------------------------------------------------------------------------------
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(session: Session, user: str, scopes: list[str]) -> tuple[ApiToken, str]:
+    """A new token for ``user`` (created if new); returns the row and the token, shown only once."""
+    bad = [s for s in scopes if s not in SCOPES]
+    if bad or not scopes:
+        raise ValueError(f"scopes must be among {', '.join(SCOPES)}; got {', '.join(scopes) or 'none'}")
+    row = session.scalar(select(User).where(User.name == user))
+    if row is None:
+        row = User(name=user)
+        session.add(row)
+        session.flush()
+    prefix = secrets.token_hex(4)  # names the token in lists and `token revoke`; no "_" in it
+    token = f"{TOKEN_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
+    tok = ApiToken(
+        user_id=row.id,
+        prefix=prefix,
+        token_hash=hash_token(token),
+        scopes=list(dict.fromkeys(scopes)),
+        webhook_secret=secrets.token_hex(32),
+    )
+    session.add(tok)
+    session.flush()
+    return tok, token
+
+
+def revoke_token(session: Session, prefix_or_id: str) -> ApiToken | None:
+    key = prefix_or_id.removeprefix(TOKEN_PREFIX).split("_", 1)[0]
+    cond = ApiToken.prefix == key
+    if key.isdigit():
+        cond = or_(cond, ApiToken.id == int(key))
+    tok = session.scalar(select(ApiToken).where(cond))
+    if tok is not None and tok.revoked_at is None:
+        tok.revoked_at = now()
+    return tok
+
+
+def authenticate(session: Session, token: str) -> tuple[ApiToken, User] | None:
+    """The live token and its user, or None (unknown or revoked)."""
+    tok = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
+    if tok is None or tok.revoked_at is not None:
+        return None
+    return tok, session.get(User, tok.user_id)
+
+
+# ------------------------------------------------------------------------------------------------
+# Jobs
+# ------------------------------------------------------------------------------------------------
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def add_event(session: Session, job_id: str, kind: str, data: dict[str, Any]) -> int:
+    """Append one event to the job's stream; returns its sequence number (1, 2, ...)."""
+    last = session.scalar(select(func.max(JobEvent.seq)).where(JobEvent.job_id == job_id)) or 0
+    session.add(JobEvent(job_id=job_id, seq=last + 1, type=kind, data=data))
+    session.flush()
+    return last + 1
+
+
+def lease_job(engine: Engine, owner: str, lease_s: float, max_attempts: int = 5) -> Job | None:
+    """Take one queued job, or a running one whose lease expired; None when there is none.
+
+    A job whose orchestrators died ``max_attempts`` times fails instead of being taken again: a
+    job that kills its orchestrator is never looped.
+    """
+    t = now()
+    with transaction(engine) as s:
+        cond = or_(Job.status == "queued", and_(Job.status == "running", Job.lease_expires_at < t))
+        while True:
+            job = s.scalar(
+                select(Job).where(cond).order_by(Job.created_at).limit(1).with_for_update(skip_locked=True)
+            )
+            if job is None:
+                return None
+            if job.status != "running" or job.attempts < max_attempts:
+                break
+            error = f"its orchestrator was lost {job.attempts} times; not retried again"
+            job.status, job.error, job.finished_at, job.updated_at = "failed", error, t, t
+            job.lease_owner = job.lease_expires_at = None
+            add_event(s, job.id, "status", {"status": "failed", "error": error})
+            s.flush()
+        resumed = job.status == "running"
+        job.status = "running"
+        job.lease_owner = owner
+        job.lease_expires_at = t + timedelta(seconds=lease_s)
+        job.attempts += 1
+        job.started_at = job.started_at or t
+        job.updated_at = t
+        add_event(s, job.id, "status", {"status": "running", "orchestrator": owner, "resumed": resumed})
+        s.flush()
+        return job
+
+
+def renew_lease(engine: Engine, job_id: str, owner: str, lease_s: float) -> bool:
+    """Extend our lease; False when it is no longer ours (expired and taken by another)."""
+    with transaction(engine) as s:
+        res = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.lease_owner == owner, Job.status == "running")
+            .values(lease_expires_at=now() + timedelta(seconds=lease_s))
+        )
+        return res.rowcount == 1
+
+
+def finish_job(
+    engine: Engine, job_id: str, owner: str, status: str, *, result: Any = None, error: str | None = None
+) -> bool:
+    """End a job we hold (False: the lease was lost, another orchestrator owns it now)."""
+    t = now()
+    with transaction(engine) as s:
+        res = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.lease_owner == owner, Job.status == "running")
+            .values(
+                status=status,
+                result=result,
+                error=error,
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=t,
+                updated_at=t,
+            )
+        )
+        if res.rowcount != 1:
+            return False
+        add_event(s, job_id, "status", {"status": status, "error": error})
+        return True
+
+
+def take_messages(engine: Engine, job_id: str) -> list[str]:
+    """The job's chat messages not yet given to the crew, marked as taken."""
+    with transaction(engine) as s:
+        rows = s.scalars(
+            select(JobMessage)
+            .where(JobMessage.job_id == job_id, JobMessage.taken_at.is_(None))
+            .order_by(JobMessage.id)
+        ).all()
+        for row in rows:
+            row.taken_at = now()
+        return [r.text for r in rows]
+
+
+def cancel_requested(engine: Engine, job_id: str) -> bool:
+    with transaction(engine) as s:
+        return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
+
+
+__all__ = [
+    "ENDED",
+    "MODES",
+    "SCOPES",
+    "STATUSES",
+    "ApiToken",
+    "Job",
+    "JobEvent",
+    "JobMessage",
+    "User",
+    "add_event",
+    "authenticate",
+    "create_token",
+    "finish_job",
+    "lease_job",
+    "renew_lease",
+    "revoke_token",
+    "take_messages",
+]
