@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import textwrap
 import uuid
 from concurrent.futures import ProcessPoolExecutor
@@ -80,18 +81,15 @@ def plan_of(source: str):
     return a, plan
 
 
-def check_candidate(source, input_sets, monkeypatch, params=None, rtol=1e-4):
-    """Run the generated candidate under the interpreter next to a float64 reference, per input set.
+def compare_in_interpreter(source: str, candidate: str, input_sets, rtol: float) -> None:
+    """Run ``candidate`` under the Triton interpreter next to a float64 reference, per input set.
 
-    The pass rule is the verifier's: every element within ``rtol * (|golden| + rms(golden))``,
-    NaN exactly where the golden has it, the reference's dtype and shape. Returns the candidate.
+    The pass rule is the verifier's: every element within ``rtol * (|golden| + rms(golden))`` (plus
+    twice PyTorch's own error), NaN exactly where the golden has it, the reference's dtype and shape.
+    Runs in the :func:`interpreter` process.
     """
     import torch
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    a, plan = plan_of(source)
-    candidate = generate_rowwise(a, plan, params)
-    assert static_check(candidate) == []
     task = load_task(source, "row_task.py")
     ref = task.model_cls().eval()
     ref64 = task.model_cls().eval().double()
@@ -115,6 +113,33 @@ def check_candidate(source, input_sets, monkeypatch, params=None, rtol=1e-4):
             own = float((native.double()[finite] - golden[finite]).abs().max())  # PyTorch's own error
             limit = rtol * (golden[finite].abs() + rms) + 2 * own
             assert bool((err <= limit).all()), f"max error {float(err.max()):.3g} (PyTorch's own {own:.3g})"
+
+
+def _interpreter_mode() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """A spawned process in Triton's interpreter mode from its start.
+
+    ``tl.sum``/``tl.max`` are jit functions of triton.language itself: they run under the
+    interpreter only if triton was first imported in interpreter mode, which an earlier test of
+    the session may not have done in this process.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=_interpreter_mode) as pool:
+        yield pool
+
+
+def check_candidate(interpreter, source, input_sets, params=None, rtol=1e-4) -> str:
+    """Generate the candidate of ``source`` with ``params`` and compare it with the reference."""
+    a, plan = plan_of(source)
+    candidate = generate_rowwise(a, plan, params)
+    assert static_check(candidate) == []
+    interpreter.submit(compare_in_interpreter, source, candidate, input_sets, rtol).result()
     return candidate
 
 
@@ -279,7 +304,7 @@ PATTERNS = {
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
-def test_pattern_kernel_on_both_paths(name, monkeypatch):
+def test_pattern_kernel_on_both_paths(name, interpreter):
     """Default blocks (every row in registers) and SMALL ones (rows over 32 columns in chunks)."""
     import torch
 
@@ -287,8 +312,8 @@ def test_pattern_kernel_on_both_paths(name, monkeypatch):
     source = task_source(forward, inputs, init, args)
     torch.manual_seed(0)
     input_sets = sets(torch)
-    candidate = check_candidate(source, input_sets, monkeypatch)
-    check_candidate(source, input_sets, monkeypatch, params=SMALL)
+    candidate = check_candidate(interpreter, source, input_sets)
+    check_candidate(interpreter, source, input_sets, params=SMALL)
     kernel = candidate.split("class ModelNew")[0]
     for library in ("softmax", "layer_norm", "rms_norm", "normalize", "cross_entropy", "logsumexp", "F."):
         assert f"torch.{library}" not in kernel and f"F.{library}" not in kernel
@@ -297,7 +322,7 @@ def test_pattern_kernel_on_both_paths(name, monkeypatch):
 @pytest.mark.parametrize(
     ("dtype", "rtol"), [("float16", 2e-3), ("bfloat16", 1.6e-2)], ids=["float16", "bfloat16"]
 )
-def test_half_precision_inputs(dtype, rtol, monkeypatch):
+def test_half_precision_inputs(dtype, rtol, interpreter):
     """Half inputs and weights: fp32 math, one rounding at the store (bf16 rounded to nearest even)."""
     import torch
 
@@ -327,10 +352,10 @@ def test_half_precision_inputs(dtype, rtol, monkeypatch):
         ),
     ]
     for forward, example, init, args, sets in cases:
-        check_candidate(task_source(forward, example, init, args), sets, monkeypatch, params=SMALL, rtol=rtol)
+        check_candidate(interpreter, task_source(forward, example, init, args), sets, params=SMALL, rtol=rtol)
 
 
-def test_non_contiguous_inputs(monkeypatch):
+def test_non_contiguous_inputs(interpreter):
     """Transposed, strided and sliced inputs: read through their strides or made contiguous."""
     import torch
 
@@ -342,8 +367,8 @@ def test_non_contiguous_inputs(monkeypatch):
         [torch.randn(5, 4, 40).transpose(0, 1)],  # leading dims permuted: read in place
         [torch.randn(4, 30)[:, 3:27]],
     ]
-    check_candidate(source, sets, monkeypatch)
-    check_candidate(source, sets, monkeypatch, params=SMALL)
+    check_candidate(interpreter, source, sets)
+    check_candidate(interpreter, source, sets, params=SMALL)
 
 
 def test_plan_structure():
