@@ -320,7 +320,7 @@ def run_profile(
     from kernelcrew.agents.diagnosis import assess
     from kernelcrew.tools import hardware, roofline
     from kernelcrew.tools.executor import LocalExecutor
-    from kernelcrew.tools.timing import parse_compile_modes
+    from kernelcrew.tools.timing import compile_medians, parse_compile_modes
 
     task_source = read_source(task)
     cand_source = read_source(candidate) if candidate else None
@@ -383,9 +383,7 @@ def run_profile(
     timing = {
         "clock": bench.get("clock"),
         "eager_ms": results.get("eager", {}).get("median_ms"),
-        "compile_ms": {
-            k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")
-        },
+        "compile_ms": compile_medians(bench),
         "candidate_ms": results.get("candidate", {}).get("median_ms"),
     }
     peaks = roofline.Peaks(**ref["peaks"])
@@ -405,16 +403,15 @@ def run_profile(
     if not (ref.get("ncu") or {}).get("available") and dev == "cuda":
         notes.append(f"Nsight Compute: {(ref.get('ncu') or {}).get('reason', 'not asked for')}")
     timed = dev == "cuda"
-    fraction = lambda ms: roofline.sol_fraction(floor.get("floor_ms"), ms) if timed else None  # noqa: E731
+    floor_ms = floor.get("floor_ms") if timed else None  # CPU wall time is never set against a GPU floor
     report.update(
         peaks=peaks.to_dict(),
         work=ref.get("work"),
         floor=floor,
         timing=timing,
         sol_fraction={
-            "eager": fraction(timing["eager_ms"]),
-            **{f"compile:{m}": fraction(ms) for m, ms in timing["compile_ms"].items()},
-            "candidate": fraction(timing["candidate_ms"]),
+            **roofline.sol_fractions(floor_ms, timing["eager_ms"], timing["compile_ms"]),
+            "candidate": roofline.sol_fraction(floor_ms, timing["candidate_ms"]),
         },
         hotspots=ref.get("hotspots", []),
         hotspot_clock=ref.get("clock"),
@@ -516,9 +513,11 @@ def _ask_guidance(step: int) -> str:
 
 def _merge_timing(report: dict[str, Any], bench: dict[str, Any]) -> None:
     """Fold the benchmark into the top-level fields and fail the verdict on a bad timed output."""
+    from kernelcrew.tools.timing import compile_medians
+
     results = bench.get("results", {})
     report["baseline_ms"] = results.get("eager", {}).get("median_ms")
-    compiled = {k: v["median_ms"] for k, v in results.items() if k.startswith("compile:")}
+    compiled = compile_medians(bench)
     report["compile_ms"] = min(compiled.values()) if compiled else None
     report["compile_s"] = bench.get("compile_s")
     report["candidate_ms"] = results.get("candidate", {}).get("median_ms")

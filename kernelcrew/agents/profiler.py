@@ -13,7 +13,8 @@ from kernelcrew.agents.diagnosis import assess, render
 from kernelcrew.agents.state import Candidate, CrewState
 from kernelcrew.config import get_settings
 from kernelcrew.task import TaskError
-from kernelcrew.tools.roofline import is_suspect, sol_fraction
+from kernelcrew.tools.roofline import is_suspect, sol_fraction, sol_fractions
+from kernelcrew.tools.timing import compile_medians
 
 
 def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -30,7 +31,7 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
     if bench.get("failure"):
         raise TaskError(f"timing the reference failed: {bench['failure']['message']}", path=state.task_path)
     results = bench.get("results", {})
-    compiled = {k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")}
+    compiled = compile_medians(bench)
     analysis: dict[str, Any] = {}
     if ctx.analyze is not None:
         try:
@@ -58,10 +59,7 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         "analysis": analysis,
     }
     floor_ms = (baseline["floor"] or {}).get("floor_ms")
-    baseline["sol_fraction"] = {
-        "eager": sol_fraction(floor_ms, baseline["eager_ms"]),
-        **{f"compile:{m}": sol_fraction(floor_ms, ms) for m, ms in compiled.items()},
-    }
+    baseline["sol_fraction"] = sol_fractions(floor_ms, baseline["eager_ms"], compiled)
     update: dict[str, Any] = {"baseline": baseline, "diagnosis": diagnose(baseline), "started_at": started}
     if state.start_source:
         update.update(_verify_start(state, ctx, baseline))

@@ -19,7 +19,8 @@ from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.knowledge import record_best
 from kernelcrew.agents.profiler import assess_subject
 from kernelcrew.agents.state import CrewState
-from kernelcrew.tools.roofline import sol_fraction
+from kernelcrew.tools.roofline import sol_fraction, sol_fractions
+from kernelcrew.tools.timing import compile_medians
 
 
 def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -39,9 +40,7 @@ def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         )
         results = bench.get("results", {})
         ratios = bench.get("ratios", {})
-        compiled = {
-            k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")
-        }
+        compiled = compile_medians(bench)
         best_ms = results.get(best.id, {}).get("median_ms")
         final = {
             "clock": bench.get("clock"),
@@ -140,8 +139,7 @@ def _roofline(base: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
     floor_ms = floor.get("floor_ms")
     eager_ms = final.get("eager_ms") or base.get("eager_ms")
     compiled = final.get("compile_ms") or base.get("compile_ms") or {}
-    fractions = {"eager": sol_fraction(floor_ms, eager_ms)}
-    fractions.update({f"compile:{m}": sol_fraction(floor_ms, ms) for m, ms in compiled.items()})
+    fractions = sol_fractions(floor_ms, eager_ms, compiled)
     if final.get("best_ms"):
         fractions["best"] = sol_fraction(floor_ms, final["best_ms"])
     return {"work": base.get("work"), "floor": floor, "peaks": base.get("peaks"), "sol_fraction": fractions}

@@ -724,6 +724,26 @@ def benchmark_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _profiled_model(payload: dict[str, Any], workdir: Path) -> tuple[Any, list[Any]]:
+    """The reference (or ``payload["candidate_source"]``'s ModelNew) with the shared weights, on the
+    payload's device and precision, and the first shared input set."""
+    import torch
+
+    device, seed = payload["device"], int(payload["seed"])
+    apply_precision(payload["precision"])
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    state = torch.load(workdir / "state_dict.pt", weights_only=True)
+    inputs = to_device(torch.load(workdir / "inputs.pt", weights_only=True)[0], device)
+    if payload.get("candidate_source"):
+        model, _ref, _build = load_candidate_model(
+            task, payload["candidate_source"], payload["candidate_path"], seed, state, device
+        )
+        return model, inputs
+    model, _ = build_reference(task, seed)
+    model.load_state_dict(state)
+    return model.to(device).eval(), inputs
+
+
 def profile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Run the reference a few times under torch.profiler and rank what it spends its time on.
 
@@ -734,14 +754,8 @@ def profile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    device, seed = payload["device"], int(payload["seed"])
-    apply_precision(payload["precision"])
-    task = load_task(payload["task_source"], path=payload["task_path"])
-    state = torch.load(workdir / "state_dict.pt", weights_only=True)
-    inputs = to_device(torch.load(workdir / "inputs.pt", weights_only=True)[0], device)
-    model, _ = build_reference(task, seed)
-    model.load_state_dict(state)
-    model = model.to(device).eval()
+    device = payload["device"]
+    model, inputs = _profiled_model(payload, workdir)
     work = measure_work(model, inputs, payload["precision"])
     on_gpu = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -894,19 +908,8 @@ def ncu_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
     from kernelcrew.tools.ncu import NVTX_RANGE
 
-    device, seed = payload["device"], int(payload["seed"])
-    apply_precision(payload["precision"])
-    task = load_task(payload["task_source"], path=payload["task_path"])
-    state = torch.load(workdir / "state_dict.pt", weights_only=True)
-    inputs = to_device(torch.load(workdir / "inputs.pt", weights_only=True)[0], device)
-    if payload.get("candidate_source"):
-        model, _ref, _build = load_candidate_model(
-            task, payload["candidate_source"], payload["candidate_path"], seed, state, device
-        )
-    else:
-        model, _ = build_reference(task, seed)
-        model.load_state_dict(state)
-        model = model.to(device).eval()
+    device = payload["device"]
+    model, inputs = _profiled_model(payload, workdir)
     calls = max(int(payload.get("calls", 3)), 1)
     with torch.no_grad():
         for _ in range(3):

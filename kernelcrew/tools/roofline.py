@@ -224,6 +224,16 @@ def sol_fraction(floor_ms: float | None, time_ms: float | None) -> float | None:
     return floor_ms / time_ms
 
 
+def sol_fractions(
+    floor_ms: float | None, eager_ms: float | None, compile_ms: dict[str, float]
+) -> dict[str, Any]:
+    """The fraction of speed of light of eager and of each ``torch.compile`` mode (``compile:<mode>``)."""
+    return {
+        "eager": sol_fraction(floor_ms, eager_ms),
+        **{f"compile:{mode}": sol_fraction(floor_ms, ms) for mode, ms in compile_ms.items()},
+    }
+
+
 def is_suspect(floor_ms: float | None, time_ms: float | None, ratio: float = 0.9) -> bool:
     """A time below ``ratio`` x the floor: faster than the hardware allows, so the measurement (or
     the floor, or the candidate) is wrong until a second measurement says otherwise."""

@@ -71,6 +71,12 @@ CI_METHOD = "order-statistic (sign-test) 95% interval of the median per-round ra
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def compile_medians(bench: dict[str, Any]) -> dict[str, float]:
+    """The median time of each ``torch.compile`` baseline in a :func:`benchmark` result, by mode."""
+    results = bench.get("results", {})
+    return {k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")}
+
+
 def parse_compile_modes(spec: str, device: str) -> list[str]:
     """The ``torch.compile`` baselines a ``--compile-modes`` value names.
 
