@@ -423,6 +423,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except redis.RedisError as exc:
             raise HTTPException(503, f"the broker is not reachable: {exc}") from exc
 
+    from kernelcrew.web import mount_web
+
+    mount_web(app, s, engine)
     return app
 
 
