@@ -447,7 +447,7 @@ def job_context(job: jobs.Job, events: list[tuple[int, str, dict[str, Any]]]) ->
         "ended": job.status in jobs.ENDED,
         "report": report,
         "progress": progress,
-        "evidence": views.evidence(report, progress),
+        "evidence": views.evidence(report, progress, job.mode),
         "speedup": speedup,
         "cpu_timing": cpu_timing,
         "task_code": highlight_python(job.task_source),

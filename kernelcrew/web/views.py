@@ -150,7 +150,7 @@ class Progress:
 def _current(progress: Progress, strategy: str = "") -> Step:
     """The step an event belongs to: the last one planned (a start kernel's check is step 0)."""
     if not progress.steps:
-        progress.steps.append(Step(0, strategy or "your starting kernel"))
+        progress.steps.append(Step(0, strategy or "your kernel"))
     return progress.steps[-1]
 
 
@@ -200,6 +200,11 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
         _on_verify(progress, data)
     elif kind == "timing":
         _on_timing(progress, data)
+    elif kind == "benchmark":  # a verify job's timing of its candidate
+        cpu = " (CPU timing)" if data.get("clock") == "cpu-wall" else ""
+        step = _current(progress)
+        step.speedup = data.get("speedup")
+        step.stages.append(Stage("profile", "info", f"{_num(step.speedup, 'x')} over eager{cpu}"))
     elif kind == "ncu":
         state = "ok" if data.get("available") else "info"
         detail = "Nsight Compute profile taken" if data.get("available") else "no Nsight Compute profile"
@@ -296,8 +301,11 @@ class Evidence:
     ncu: NcuTable | None
 
 
-def evidence(report: dict[str, Any], progress: Progress) -> Evidence:
+def evidence(report: dict[str, Any], progress: Progress, mode: str) -> Evidence:
     steps, refs = time_series(progress)
+    if mode == "verify":
+        roof = Chart(reason="Not available for a verify job: it checks and times one kernel, unprofiled.")
+        return Evidence(time_chart(steps, refs), roof, None)
     if report.get("iterations") is None:
         roof = Chart(reason="The roofline is drawn from the final report, when the job has ended.")
         return Evidence(time_chart(steps, refs), roof, None)

@@ -178,3 +178,22 @@ def test_a_gpu_report_shows_its_roofline_ncu_table_diff_and_downloads(site):
     assert c.get(f"/jobs/{job_id}/best.py").text == best
     assert json.loads(c.get(f"/jobs/{job_id}/report.json").text)["status"] == report["status"]
     assert "_best_py" not in c.get(f"/jobs/{job_id}/report.json").text
+
+
+def test_a_verify_job_shows_its_verdict_and_timing(site):
+    """A verify job has no steps of the crew: its check is the timeline, its verdict the outcome."""
+    c = site.signed_in("ann")
+    candidate = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()
+    csrf = form_csrf(c.get("/jobs/new").text)
+    fields = {"csrf": csrf, "target": "cpu", "mode": "verify", "task_text": TASK, "candidate_text": candidate}
+    job_id = c.post("/jobs/new", data=fields).headers["location"].rsplit("/", 1)[1]
+    verdict = {"verdict": "pass", "stage": "done", "message": "correct on 7 input sets"}
+    with transaction(site.engine) as s:
+        job = s.get(jobs.Job, job_id)
+        job.status = "succeeded"
+        job.result = {"verify": verdict, "verdict": "pass", "timing": {"clock": "cpu-wall"}, "speedup": 0.5}
+        jobs.add_event(s, job_id, "verify", {"candidate": "candidate", **verdict})
+        jobs.add_event(s, job_id, "benchmark", {"speedup": 0.5, "clock": "cpu-wall"})
+    page = c.get(f"/jobs/{job_id}").text
+    assert "correct on 7 input sets" in page and "0.5x over eager (CPU timing)" in page
+    assert "Not available for a verify job" in page
