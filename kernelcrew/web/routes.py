@@ -23,6 +23,7 @@ from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from kernelcrew.agents.llm import BACKENDS as LLM_BACKENDS
 from kernelcrew.api.app import JobOptions, add_message, enqueue_job, job_event_stream, read_source
 from kernelcrew.config import Settings
 from kernelcrew.knowledge_base.db import transaction
@@ -47,7 +48,7 @@ TEMPLATES.env.filters["num"] = lambda v, fmt="{:.3g}": "-" if v is None else fmt
 TEMPLATES.env.filters["pct"] = lambda v: "-" if v is None else f"{v:.1%}"
 TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
 
-BACKENDS = ("auto", "playbook", "openai", "anthropic", "replay")
+BACKENDS = ("auto", *LLM_BACKENDS)
 FORM_OPTION_FIELDS = ("backend", "model", "max_iters", "time_budget_s", "precision", "compile_modes")
 
 
@@ -68,9 +69,11 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
 
     # -- sign-in ---------------------------------------------------------------------------------
 
-    def signin_page(request: Request, error: str = "", status: int = 200) -> Response:
+    def signin_page(
+        request: Request, error: str = "", status: int = 200, after: str | None = None
+    ) -> Response:
         nonce = request.cookies.get(SIGNIN_COOKIE) or new_signin_nonce()
-        next_url = safe_next(request.query_params.get("next"))
+        next_url = safe_next(after or request.query_params.get("next"))
         response = page(request, "signin.html", None, status, csrf=nonce, error=error, next=next_url)
         set_cookie(response, request, SIGNIN_COOKIE, nonce, 3600)
         return response
@@ -86,11 +89,12 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
         check_csrf(form.get("csrf"), request.cookies.get(SIGNIN_COOKIE) or "")
         token = str(form.get("token") or "").strip()
         who = principal_for(engine, token) if token else None
+        after = str(form.get("next") or "")
         if who is None:
-            return signin_page(request, "This token is unknown or revoked.", 401)
+            return signin_page(request, "This token is unknown or revoked.", 401, after)
         if not who.can("read"):
-            return signin_page(request, "This token lacks the read scope the pages need.", 403)
-        response = RedirectResponse(safe_next(str(form.get("next") or "")), status_code=303)
+            return signin_page(request, "This token lacks the read scope the pages need.", 403, after)
+        response = RedirectResponse(safe_next(after), status_code=303)
         set_cookie(response, request, SESSION_COOKIE, token, SESSION_MAX_AGE_S)
         response.delete_cookie(SIGNIN_COOKIE, path="/")
         return response
