@@ -46,8 +46,9 @@ def shot(page: Any, shots: Path, name: str) -> None:
 def test_a_wrong_token_is_refused(page, shots):
     page.goto("/jobs")
     expect(page).to_have_url(re.compile(r"/signin\?next=/jobs$"))  # not signed in: sent to the sign-in page
-    page.get_by_label("API token", exact=True).fill("kc_00000000_not-a-token")
-    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_label("API token", exact=True)).to_be_focused()  # by keyboard alone
+    page.keyboard.type("kc_00000000_not-a-token")
+    page.keyboard.press("Enter")
     expect(page.locator("#token-error")).to_contain_text("unknown or revoked")
     assert page.context.cookies() and not [c for c in page.context.cookies() if c["name"] == "kc_session"]
     shot(page, shots, "signin")
@@ -57,6 +58,8 @@ def test_sign_in_upload_a_task_and_watch_it_finish_live(page, service, shots, jo
     page.get_by_label("API token", exact=True).fill(service.tokens["alice"])
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_role("heading", name="Jobs")).to_be_visible()
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("link", name="Skip to content")).to_be_focused()
     session = next(c for c in page.context.cookies() if c["name"] == "kc_session")
     assert session["httpOnly"] and session["sameSite"] == "Strict"
 
