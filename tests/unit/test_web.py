@@ -197,3 +197,21 @@ def test_a_verify_job_shows_its_verdict_and_timing(site):
     page = c.get(f"/jobs/{job_id}").text
     assert "correct on 7 input sets" in page and "0.5x over eager (CPU timing)" in page
     assert "Not available for a verify job" in page
+
+
+def test_a_rejected_candidate_shows_its_failure_and_user_text_is_escaped(site):
+    c = site.signed_in("ann")
+    task = TASK.replace('"""Fixture task:', '"""<script>alert(1)</script> Fixture task:', 1)
+    csrf = form_csrf(c.get("/jobs/new").text)
+    job_id = c.post("/jobs/new", data={"csrf": csrf, "task_text": task, "target": "cpu"}).headers["location"]
+    job_id = job_id.rsplit("/", 1)[1]
+    failure = "correctness: output 0 differs at index (3, 1): max abs error 0.5 <b>"
+    with transaction(site.engine) as s:
+        jobs.add_event(s, job_id, "plan", {"strategy": "fused_pointwise", "params": {"BLOCK_SIZE": 64}})
+        jobs.add_event(s, job_id, "verify", {"verdict": "fail", "stage": "correctness", "message": failure})
+        jobs.add_event(s, job_id, "decide", {"verdict": "fail", "new_best": False})
+        jobs.add_event(s, job_id, "message", {"text": "<img src=x onerror=alert(1)>", "user": "ann"})
+    page = c.get(f"/jobs/{job_id}").text
+    assert "Rejected candidates" in page and "max abs error 0.5 &lt;b&gt;" in page
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
