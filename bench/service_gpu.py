@@ -224,6 +224,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kc-service-"))
     redis_port, api_port = free_port(), free_port()
     broker = f"redis://127.0.0.1:{redis_port}/0"
+    redis_cmd = redis_server(args.redis_debs, work)  # sets LD_LIBRARY_PATH for unpacked libraries
     env = {
         **os.environ,
         "KERNELCREW_DATABASE_URL": f"sqlite:///{work}/kernelcrew.db",
@@ -232,7 +233,7 @@ def main() -> None:
     }
     stack = Stack(env, args.out)
     try:
-        stack.start("redis", [*redis_server(args.redis_debs, work), "--port", str(redis_port), "--save", ""])
+        stack.start("redis", [*redis_cmd, "--port", str(redis_port), "--save", ""])
         wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", redis_port)) == 0, 30, "redis")
         token = (
             subprocess.run(
@@ -292,9 +293,9 @@ def main() -> None:
     data = {
         "command": f"python bench/service_gpu.py OUT --task {args.task} --max-iters {args.max_iters}"
         + (" --redis-debs DIR" if args.redis_debs else ""),
-        "redis": subprocess.run(
-            [*redis_server(args.redis_debs, work), "--version"], capture_output=True, text=True
-        ).stdout.strip()[:60],
+        "redis": subprocess.run([*redis_cmd, "--version"], capture_output=True, text=True).stdout.strip()[
+            :60
+        ],
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
         "workers": workers,
         "workers_after": workers_after,
