@@ -314,7 +314,8 @@ def run(
     own directory is ``workdir / "child"``, the only place it may write besides ``writable``, the
     build caches, which are handed to the sandbox user for the run). ``env`` adds variables to the
     scrubbed environment (never secrets). ``wrapper`` prefixes the child's command line (a tool such
-    as ``compute-sanitizer`` that runs the interpreter).
+    as ``compute-sanitizer`` that runs the interpreter); it shares the child's network namespace,
+    with a loopback up so the two can talk, and nothing else.
     """
     s = settings or get_settings()
     limits = limits or SandboxLimits.from_settings(s)
@@ -333,7 +334,9 @@ def run(
         "pids_limit": cgroup.reason
         or ("RLIMIT_NPROC" if ident or os.geteuid() != 0 else "none: root without a cgroup"),
         "memory_limit": f"RLIMIT_DATA {limits.memory_bytes // 1024**2} MiB",
-        "network": f"isolated: {net_reason}" if own_net else f"not isolated: {net_reason}",
+        "network": (f"isolated: {net_reason}" + (", loopback up for the wrapper" if wrapper else ""))
+        if own_net
+        else f"not isolated: {net_reason}",
         "filesystem": "writes: own directory and build caches, plus world-writable paths (/tmp, /dev/shm)",
     }
 
@@ -347,7 +350,7 @@ def run(
         "cgroup_procs": str(cgroup.path / "cgroup.procs") if cgroup.path else None,
         "drop_nproc": ident is not None or os.geteuid() != 0,
         "drop_to": list(ident) if ident is not None else None,
-        "isolate_network": own_net,
+        "isolate_network": own_net and not wrapper,  # else the launcher below made the namespace
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -369,7 +372,14 @@ def run(
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "kernelcrew.tools.sandbox", str(spec_path)],
+            [
+                *_launcher(own_net and bool(wrapper)),
+                *wrapper,
+                sys.executable,
+                "-m",
+                "kernelcrew.tools.sandbox",
+                str(spec_path),
+            ],
             cwd=child_dir,
             env=child_env,
             stdin=subprocess.DEVNULL,
@@ -425,6 +435,11 @@ def run(
     if own_workdir and not keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def _launcher(needed: bool) -> tuple[str, ...]:
+    """The command that makes a network namespace for a wrapper and its child together."""
+    return (sys.executable, "-m", "kernelcrew.tools.sandbox", "--netns-exec") if needed else ()
 
 
 def _read_child_result(result: SandboxResult, path: Path, returncode: int | None) -> None:
@@ -614,6 +629,24 @@ def _child_main(spec_path: str) -> None:
     os._exit(0)  # skip atexit hooks and finalizers that user code may have installed
 
 
+def _loopback_up() -> None:
+    """Bring ``lo`` up in this (new) namespace: a wrapper and its child talk over it."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, siocgifflags, struct.pack("16sH", b"lo", 0))[:18])[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH", b"lo", flags | iff_up))
+
+
+def _netns_exec(argv: list[str]) -> None:
+    unshare_network()
+    _loopback_up()
+    os.execvp(argv[0], argv)
+
+
 def _probe_network() -> None:
     try:
         print(unshare_network())
@@ -623,4 +656,9 @@ def _probe_network() -> None:
 
 
 if __name__ == "__main__":
-    _probe_network() if sys.argv[1] == "--probe-network" else _child_main(sys.argv[1])
+    if sys.argv[1] == "--probe-network":
+        _probe_network()
+    elif sys.argv[1] == "--netns-exec":
+        _netns_exec(sys.argv[2:])
+    else:
+        _child_main(sys.argv[1])

@@ -60,9 +60,13 @@ def caller_unharmed() -> Iterator[None]:
     assert sandbox.run("tests.unit.sandbox_targets:echo", {}, limits=LIMITS).ok
 
 
-def run_hostile(name: str, workdir: Path, limits: SandboxLimits = LIMITS, **env: str) -> SandboxResult:
+def run_hostile(
+    name: str, workdir: Path, limits: SandboxLimits = LIMITS, wrapper: tuple[str, ...] = (), **env: str
+) -> SandboxResult:
     payload = {"source": (HOSTILE / name).read_text(), "kind": "candidate", "path": name}
-    return sandbox.run("kernelcrew.task:import_child", payload, limits=limits, workdir=workdir, env=env)
+    return sandbox.run(
+        "kernelcrew.task:import_child", payload, limits=limits, workdir=workdir, env=env, wrapper=wrapper
+    )
 
 
 def survivors(workdir: Path) -> list[int]:
@@ -116,12 +120,11 @@ def test_the_workers_secrets_are_not_in_reach(workdir, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-hostile-test-secret")
     monkeypatch.setenv("KERNELCREW_BROKER_URL", "redis://:hostile-test-secret@127.0.0.1:6379/0")
     res = run_hostile("read_environment.py", workdir)
-    seen = res.output_tail
-    assert "HOSTILE env:" in seen and "hostile-test-secret" not in seen
-    assert "OPENAI_API_KEY" not in seen and "KERNELCREW_BROKER_URL" not in seen
+    assert res.status == "error" and "HOSTILE env:" in res.message, res  # it reports what it found
+    assert "hostile-test-secret" not in res.message
+    assert "OPENAI_API_KEY" not in res.message and "KERNELCREW_BROKER_URL" not in res.message
     require_other_user(res)
-    assert res.status == "error" and "PermissionError" in res.message, res  # /proc/PPID/environ
-    assert "HOSTILE parent environ" not in seen
+    assert "parent environ: refused ([Errno 13] Permission denied" in res.message
 
 
 def test_a_file_readable_only_by_the_worker_cannot_be_read(workdir, parent_dir):
@@ -147,6 +150,20 @@ def test_no_socket_reaches_the_workers_loopback(workdir):
         if not res.isolation["network"].startswith("isolated"):
             pytest.skip(f"no network namespace here: {res.isolation['network']}")
         assert res.status == "error" and "Network is unreachable" in res.message, res
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+def test_under_a_wrapper_the_namespace_holds_both_and_still_reaches_nothing_outside(workdir):
+    """compute-sanitizer talks to its target: it shares the namespace, whose own loopback is up."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = str(listener.getsockname()[1])
+        res = run_hostile("open_socket.py", workdir, wrapper=("env",), KC_HOSTILE_PORT=port)
+        if not res.isolation["network"].startswith("isolated"):
+            pytest.skip(f"no network namespace here: {res.isolation['network']}")
+        assert "loopback up for the wrapper" in res.isolation["network"]
+        assert res.status == "error" and "Connection refused" in res.message, res
         listener.settimeout(0.2)
         with pytest.raises(TimeoutError):
             listener.accept()
