@@ -114,14 +114,16 @@ SERVICE_ENV = dict(
 
 @contextlib.contextmanager
 def running_service(
-    db_url: str, redis_url: str, logs: Path, worker: str = "kcsvc", **overrides: str
+    db_url: str, redis_url: str, logs: Path, worker: str = "", **overrides: str
 ) -> Iterator[Service]:
     """``kernelcrew serve --orchestrators 0``, one orchestrator and one cpu worker on these stores.
 
-    ``worker`` names the worker (and its temporary directory): unique per concurrent service.
+    ``worker`` names the worker (and its temporary directory), by default after this process: two
+    services with one name on a machine would delete each other's files.
     Tokens: ``bob`` (submit, read), ``reader`` (carol, read), ``revoked`` (dave; revoked by a test).
     Shared by the fault and load tests, which point it at private Redis and PostgreSQL instances.
     """
+    worker = worker or f"kcsvc{os.getpid()}"
     r = redis.Redis.from_url(redis_url)
     env = dict(os.environ)
     env.update(
