@@ -331,8 +331,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Server-Sent Events of the job (``id`` = sequence number); ends when the job has ended."""
         with transaction(engine) as session:
             own_job(session, job_id, who)
-        resume = int(last_event_id) if (last_event_id or "").isdigit() else 0
-        start = after if after is not None else min(resume, MAX_INT)
+        digits = last_event_id or ""  # a header: anything may come ("²" is a digit to isdigit())
+        resume = min(int(digits[:12]), MAX_INT) if digits.isascii() and digits.isdigit() else 0
+        start = after if after is not None else resume
 
         def stream():
             last, idle = start, 0.0

@@ -48,6 +48,7 @@ class Api:
     client: TestClient
     tokens: dict[str, str]
     job_id: str
+    ended_id: str
     engine: object
 
     def call(self, route: tuple[str, str], token: str | None, job_id: str | None = None):
@@ -86,19 +87,22 @@ def api(tmp_path_factory) -> Iterator[Api]:
             tokens[name] = jobs.create_token(session, user, scopes)[1]
         jobs.revoke_token(session, tokens["revoked"])
         owner = jobs.authenticate(session, tokens["alice"])[0]
-        job = jobs.Job(
-            id=jobs.new_job_id(),
-            owner_id=owner.user_id,
-            token_id=owner.id,
-            status="queued",
-            mode="optimize",
-            task_source=TASK,
-            options={},
-            created_at=jobs.now(),
-        )
-        session.add(job)
+        made = [
+            jobs.Job(
+                id=jobs.new_job_id(),
+                owner_id=owner.user_id,
+                token_id=owner.id,
+                status=status,
+                mode="optimize",
+                task_source=TASK,
+                options={},
+                created_at=jobs.now(),
+            )
+            for status in ("queued", "succeeded")
+        ]
+        session.add_all(made)
     with TestClient(create_app(s)) as client:
-        yield Api(client, tokens, job.id, engine)
+        yield Api(client, tokens, made[0].id, made[1].id, engine)
 
 
 def test_every_api_route_is_in_the_table(api):
@@ -135,6 +139,18 @@ def test_another_users_job_does_not_exist_for_them(api, route):
         job = session.get(jobs.Job, api.job_id)
         assert (job.status, job.cancel_requested) == ("queued", False)
         assert session.query(jobs.JobMessage).filter_by(job_id=api.job_id).count() == 0
+
+
+@pytest.mark.parametrize(
+    "last_id",
+    ["\u00b2", "9" * 5000, "-1", "abc", "12"],
+    ids=["superscript", "5000-digits", "neg", "abc", "12"],
+)
+def test_any_last_event_id_header_resumes_a_stream_without_a_server_error(api, last_id):
+    """Headers are the client's: 5000 digits once made int() raise (Python's digit limit): a 500."""
+    headers = {"authorization": f"Bearer {api.tokens['alice']}", "last-event-id": last_id.encode("latin-1")}
+    r = api.client.get(f"{PREFIX}/jobs/{api.ended_id}/events", headers=headers)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
 
 
 # -- uploads ------------------------------------------------------------------------------------
