@@ -337,7 +337,9 @@ def run(
         "network": (f"isolated: {net_reason}" + (", loopback up for the wrapper" if wrapper else ""))
         if own_net
         else f"not isolated: {net_reason}",
-        "filesystem": "writes: own directory and build caches, plus world-writable paths (/tmp, /dev/shm)",
+        "filesystem": "writes: own directory and build caches, plus world-writable paths (/tmp, /dev/shm)"
+        if ident
+        else "writes: wherever the caller's user may (no privilege drop)",
     }
 
     spec = {
