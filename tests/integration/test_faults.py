@@ -1,4 +1,5 @@
-"""Faults under a running service: Redis and PostgreSQL restarted mid-job, a candidate that hangs.
+"""Faults under a running service: Redis and PostgreSQL restarted mid-job, a candidate that hangs;
+then a short load on the same service (the smoke version of ``bench/load.py``).
 
 The service (API, orchestrator, cpu worker; :func:`running_service`) runs on a private Redis
 (``redis-server`` on a free port, append-only file fsynced on every write, as a deployment should
@@ -14,6 +15,7 @@ import glob
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,3 +204,27 @@ def test_postgres_restarted_mid_job_loses_nothing(faulty):
     assert job["status"] == "succeeded" and verdict(svc, job_id)["verdict"] == "pass", job
     assert job["attempts"] >= 1
     assert unverified_wins(svc.engine) == []
+
+
+def test_a_short_load_loses_no_job_and_gets_no_error(faulty):
+    """The smoke version of ``bench/load.py`` on the same service, after the restarts: two clients
+    at once create a verify job each, poll it and stream its events to the end; every request
+    succeeds and every job reaches a terminal state."""
+    from bench.load import Recorder, client_run, job_outcomes
+
+    svc, _, _ = faulty
+    with transaction(svc.engine) as s:
+        tokens = [jobs.create_token(s, f"smoke{i}", ["submit", "read"])[1] for i in range(2)]
+    rec, created = Recorder(), []
+    deadline = time.monotonic() + 120
+    clients = [
+        threading.Thread(target=client_run, args=(svc.url, t, 1, rec, created, deadline, 0.3)) for t in tokens
+    ]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    assert dict(rec.errors) == {}
+    outcome = job_outcomes(svc.engine, created)
+    assert outcome["created"] == 2 and outcome["lost"] == [] and outcome["statuses"] == {"succeeded": 2}
+    assert len(rec.latency["GET /jobs/{id}/events (first line)"]) == 2
