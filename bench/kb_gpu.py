@@ -1,9 +1,11 @@
 """GPU evidence for the knowledge base: does a second, related task reach its best sooner with it?
 
-Runs ``kernelcrew optimize`` (offline playbook) on task A, then on a related task B with the
-knowledge base A's run filled (same data directory), and B again in a fresh data directory with
-``--no-kb``. For each run of B it records the steps taken, the step at which the final best was
-found, the wall time and the knowledge-base hits the planner got. Writes ``kb_h100.json`` and
+Runs ``kernelcrew optimize`` (offline playbook) on task A, then on a related task B with a
+knowledge base holding A's wins (exported by ``kernelcrew kb export`` after A, imported by
+``kernelcrew kb import`` into B's fresh data directory, so the runs may be split over device
+calls with ``--only`` and ``--reuse``), and B again with ``--no-kb``. For each run of B it records
+the steps taken, the step and the second at which the final best was found, the wall time and the
+knowledge-base hits the planner got. Writes ``kb_h100.json`` and
 ``kb_h100.md`` to the folder given (default bench/results).
 
     python bench/kb_gpu.py [OUT_DIR] [--first elementwise_chain] [--second swish_residual] [--max-iters N]
@@ -36,6 +38,7 @@ def optimize(
     use_kb: bool,
     device: str,
     reuse: Path | None = None,
+    patience: int | None = None,
 ) -> dict:
     """One optimize run; with ``reuse``, a run whose report is already there (an earlier shard of a
     10-minute lease) is read instead of run again, its wall time taken from the report."""
@@ -47,6 +50,7 @@ def optimize(
     cmd += ["--backend", "playbook", "--max-iters", str(max_iters), "--out", str(out)]
     cmd += ["--compile-modes", COMPILE_MODES]
     cmd += [] if use_kb else ["--no-kb"]
+    cmd += ["--patience", str(patience)] if patience else []
     env = {**os.environ, "KERNELCREW_DATA_DIR": str(data_dir)}
     env.pop("KERNELCREW_DATABASE_URL", None)  # the SQLite file in data_dir: nothing shared with other runs
     started = time.monotonic()
@@ -61,13 +65,14 @@ def optimize(
 def summarize(task: str, use_kb: bool, report: dict, wall: float | None, reused: str = "") -> dict:
     best = report.get("best") or {}
     steps = report["iterations"]
-    best_step = next((s["step"] for s in steps if s.get("id") == best.get("id")), None)
+    best_step = next((s for s in steps if s.get("id") == best.get("id")), {})
     return {
         "task": task,
         "kb": use_kb,
         "status": report["status"],
         "steps": len(steps),
-        "best_step": best_step,
+        "best_step": best_step.get("step"),
+        "best_at_s": best_step.get("elapsed_s"),
         "best": {k: best.get(k) for k in ("strategy", "params", "kind", "best_ms", "speedup_eager")},
         "tried": [
             {"step": s["step"], "strategy": s.get("strategy"), "params": s.get("params")} for s in steps
@@ -88,22 +93,36 @@ def markdown(data: dict) -> str:
         f"Device: {data['gpu']} ({data['arch']}). First task `{data['first']}`, then `{data['second']}` "
         f"(at most {data['max_iters']} steps each). Produced by `{data['command']}`.",
         "",
-        "| run | status | steps | best found at step | best | vs eager | wall s |",
-        "|---|---|---|---|---|---|---|",
+        "| run | status | steps | best found at step | best found at s | best | vs eager | wall s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in data["runs"].items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error'][:100]!r} | | | | | {r['wall_s']} |")
+            lines.append(f"| {name} | error: {r['error'][:100]!r} | | | | | | {r['wall_s']} |")
             continue
         b = r["best"]
         gain = f"{b['speedup_eager']:.3g}x" if b.get("speedup_eager") else "-"
         lines.append(
-            f"| {name} | {r['status']} | {r['steps']} | {r['best_step']} | {b.get('strategy')} "
+            f"| {name} | {r['status']} | {r['steps']} | {r['best_step']} | {r.get('best_at_s')} | {b.get('strategy')} "
             f"{json.dumps(b.get('params') or {})} | {gain} | {r['wall_s']} |"
         )
     hits = data["runs"].get("second, with the knowledge base", {}).get("kb_hits", [])
     lines += ["", "Hits the planner got for the second task:", ""] + [f"- {h}" for h in hits]
     return "\n".join(lines) + "\n"
+
+
+RUNS = {
+    "first": "first, filling the knowledge base",
+    "with_kb": "second, with the knowledge base",
+    "without_kb": "second, without (--no-kb)",
+}
+
+
+def kb_cli(data_dir: Path, *args: str) -> None:
+    """``kernelcrew kb ...`` on the knowledge base in ``data_dir`` (raises on failure)."""
+    env = {**os.environ, "KERNELCREW_DATA_DIR": str(data_dir)}
+    env.pop("KERNELCREW_DATABASE_URL", None)
+    subprocess.run([sys.executable, "-m", "kernelcrew", "kb", *args], cwd=ROOT, env=env, check=True)
 
 
 def main() -> None:
@@ -116,39 +135,53 @@ def main() -> None:
     parser.add_argument(
         "--reuse", type=Path, help="Read runs whose report is already in this kb_runs folder."
     )
+    parser.add_argument(
+        "--first-patience",
+        type=int,
+        help="--patience of the first run (as many as --max-iters: it tries its whole menu, so the "
+        "knowledge base learns the true best rather than the first good one).",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(RUNS),
+        help="Comma list of the runs to do now (first, with_kb, without_kb); the others are read "
+        "from --reuse. The first run's wins travel to the second by `kernelcrew kb export/import`, "
+        "so the runs may be done in separate device calls.",
+    )
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:
-        runs = {
-            "first, filling the knowledge base": optimize(
-                args.first,
-                Path(shared),
-                out_dir / "kb_runs" / "first",
+    only = set(args.only.split(","))
+    runs = {}
+    for key, title in RUNS.items():
+        if key not in only and not (args.reuse and (args.reuse / key / "report.json").exists()):
+            continue  # neither asked for now nor done in an earlier shard
+        with tempfile.TemporaryDirectory() as data_dir:
+            run_dir = out_dir / "kb_runs" / key
+            if key == "with_kb":
+                wins = next(
+                    (
+                        p
+                        for d in (out_dir / "kb_runs", args.reuse)
+                        if d and (p := d / "first" / "kb_export.json").exists()
+                    ),
+                    None,
+                )
+                if wins is None:
+                    raise SystemExit("no export of the first run's wins (kb_runs/first/kb_export.json)")
+                kb_cli(Path(data_dir), "import", str(wins))
+            runs[title] = optimize(
+                args.first if key == "first" else args.second,
+                Path(data_dir),
+                run_dir,
                 args.max_iters,
-                use_kb=True,
+                use_kb=key != "without_kb",
                 device=args.device,
-                reuse=args.reuse,
-            ),
-            "second, with the knowledge base": optimize(
-                args.second,
-                Path(shared),
-                out_dir / "kb_runs" / "with_kb",
-                args.max_iters,
-                use_kb=True,
-                device=args.device,
-                reuse=args.reuse,
-            ),
-            "second, without (--no-kb)": optimize(
-                args.second,
-                Path(alone),
-                out_dir / "kb_runs" / "without_kb",
-                args.max_iters,
-                use_kb=False,
-                device=args.device,
-                reuse=args.reuse,
-            ),
-        }
+                reuse=None if key in only else args.reuse,
+                patience=args.first_patience if key == "first" else None,
+            )
+            if key == "first" and key in only:
+                kb_cli(Path(data_dir), "export", str(run_dir / "kb_export.json"))
     first = next((r for r in runs.values() if "gpu" in r), {})
     data = {
         "gpu": first.get("gpu"),
@@ -157,7 +190,8 @@ def main() -> None:
         "second": args.second,
         "max_iters": args.max_iters,
         "command": f"python bench/kb_gpu.py --first {args.first} --second {args.second} "
-        f"--max-iters {args.max_iters} --device {args.device}"
+        f"--max-iters {args.max_iters} --first-patience {args.first_patience} --device {args.device} "
+        f"--only {args.only}"
         + (
             f" --reuse {args.reuse} (runs read from an earlier shard are marked reused_from)"
             if args.reuse

@@ -185,6 +185,9 @@ def optimize(
     model: Annotated[str, typer.Option(help="The LLM's model name (KERNELCREW_MODEL).")] = "",
     max_iters: Annotated[int, typer.Option(min=1, max=200, help="Plan-code-verify steps at most.")] = 6,
     time_budget: Annotated[float, typer.Option(min=1, help="Seconds for the whole run.")] = 900.0,
+    patience: Annotated[
+        int, typer.Option(min=1, help="Stop after this many steps without a gain beyond noise (GPU).")
+    ] = 3,
     device: Annotated[Device, typer.Option(help="Where to run: cuda, cpu, or auto.")] = Device.auto,
     precision: Annotated[
         Precision, typer.Option(help="strict (fp32 stays fp32) or relaxed (TF32 allowed).")
@@ -227,6 +230,7 @@ def optimize(
             model=model,
             max_iters=max_iters,
             time_budget_s=time_budget,
+            patience=patience,
             device=resolve_device(device) if resume is None or device != Device.auto else None,
             precision=precision.value,
             start=start,

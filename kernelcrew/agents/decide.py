@@ -47,9 +47,10 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     best = state.best
     draft = state.draft
     since_gain = state.since_gain
+    elapsed = time.time() - state.started_at if state.started_at else 0.0
     if state.plan is not None or draft is not None:
         steps += 1
-        record: dict[str, Any] = {"step": steps}
+        record: dict[str, Any] = {"step": steps, "elapsed_s": round(elapsed, 1)}
         if draft is not None:
             record.update(draft.summary())
             record["repairs"] = state.repairs
@@ -74,7 +75,6 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             verdict=record.get("verdict"),
             new_best=gained,
         )
-    elapsed = time.time() - state.started_at if state.started_at else 0.0
     stop = state.stop_reason
     max_iters = opts.max_iters
     if not stop:

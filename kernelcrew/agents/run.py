@@ -33,6 +33,7 @@ class OptimizeRequest:
     model: str = ""
     max_iters: int = 6
     time_budget_s: float = 900.0
+    patience: int = 3
     device: str | None = "cpu"
     precision: str = "strict"
     start: Path | None = None
@@ -224,6 +225,7 @@ def _new_state(req: OptimizeRequest, backend: str, s: Settings) -> CrewState:
         model=req.model,
         max_iters=req.max_iters,
         time_budget_s=req.time_budget_s,
+        patience=req.patience,
         seed=secrets.randbits(31) if req.seed is None else req.seed,
         compile_modes=_parse_modes(req.compile_modes, device),
         quick=req.quick,

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -93,6 +94,102 @@ class RateLimiter:
             return True
 
 
+def read_source(raw: bytes | str | None, what: str, kind: str, max_bytes: int) -> str | None:
+    """An uploaded source checked as the API checks it: size (413), UTF-8 and a valid ``kind`` (422)."""
+    if raw is None:
+        return None
+    data = raw.encode() if isinstance(raw, str) else raw
+    if len(data) > max_bytes:
+        raise HTTPException(413, f"the {what} is {len(data)} bytes; at most {max_bytes}")
+    try:
+        source = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HTTPException(422, f"the {what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    try:
+        check_source(source, kind, f"{what}.py")
+    except TaskError as exc:
+        raise HTTPException(422, f"the {what} is not a valid {kind}: {exc}") from exc
+    return source
+
+
+def enqueue_job(
+    session: Any,
+    who: Principal,
+    task: str,
+    candidate: str | None,
+    mode: str,
+    options: dict[str, Any],
+    max_active: int,
+) -> jobs.Job:
+    """Queue a checked job for ``who``; 429 when they already have ``max_active`` queued or running.
+
+    Shared by the REST route and the web form, so both apply the same limit and write the same events.
+    """
+    active = session.scalar(
+        select(func.count())
+        .select_from(jobs.Job)
+        .where(jobs.Job.owner_id == who.user_id, jobs.Job.status.in_(("queued", "running")))
+    )
+    if active >= max_active:
+        raise HTTPException(429, f"{active} jobs are queued or running; at most {max_active}")
+    t = jobs.now()
+    job = jobs.Job(
+        id=jobs.new_job_id(),
+        owner_id=who.user_id,
+        token_id=who.token_id,
+        status="queued",
+        mode=mode,
+        task_source=task,
+        candidate_source=candidate,
+        options=options,
+        cancel_requested=False,
+        attempts=0,
+        created_at=t,
+        updated_at=t,
+    )
+    session.add(job)
+    session.flush()
+    jobs.add_event(session, job.id, "status", {"status": "queued"})
+    return job
+
+
+def add_message(session: Any, job: jobs.Job, text: str, user: str) -> None:
+    """A chat message: a running job takes it at its next plan; an ended optimize job is queued again."""
+    session.add(jobs.JobMessage(job_id=job.id, text=text, created_at=jobs.now()))
+    jobs.add_event(session, job.id, "message", {"text": text, "user": user})
+    if job.status in ("succeeded", "failed") and job.mode == "optimize":
+        job.status = "queued"
+        job.cancel_requested = False
+        job.finished_at = None
+        jobs.add_event(session, job.id, "status", {"status": "queued", "resumed_by": "message"})
+
+
+def job_event_stream(engine: Any, job_id: str, start: int) -> Iterator[str]:
+    """The job's events after ``start`` as Server-Sent Events; ends once the job has ended."""
+    last, idle = start, 0.0
+    while True:
+        with transaction(engine) as session:
+            status = session.scalar(select(jobs.Job.status).where(jobs.Job.id == job_id))
+            rows = session.scalars(
+                select(jobs.JobEvent)
+                .where(jobs.JobEvent.job_id == job_id, jobs.JobEvent.seq > last)
+                .order_by(jobs.JobEvent.seq)
+                .limit(200)
+            ).all()
+            batch = [(r.seq, r.type, r.data) for r in rows]
+        for seq, kind, data in batch:
+            yield f"id: {seq}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
+            last = seq
+        if not batch:
+            if status in jobs.ENDED:
+                return
+            time.sleep(0.5)
+            idle += 0.5
+            if idle >= 15:
+                idle = 0.0
+                yield ": keep-alive\n\n"
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     s = settings or get_settings()
     engine = get_engine(s)
@@ -159,24 +256,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # -- jobs -----------------------------------------------------------------------------------
 
-    def _source(raw: bytes | str | None, what: str, kind: str) -> str | None:
-        if raw is None:
-            return None
-        data = raw.encode() if isinstance(raw, str) else raw
-        if len(data) > s.api_max_upload_bytes:
-            raise HTTPException(413, f"the {what} is {len(data)} bytes; at most {s.api_max_upload_bytes}")
-        try:
-            source = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise HTTPException(
-                422, f"the {what} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-            ) from exc
-        try:
-            check_source(source, kind, f"{what}.py")
-        except TaskError as exc:
-            raise HTTPException(422, f"the {what} is not a valid {kind}: {exc}") from exc
-        return source
-
     async def _job_input(request: Request) -> tuple[str, str | None, str, dict[str, Any]]:
         length = int(request.headers.get("content-length") or 0)
         if length > 2 * s.api_max_upload_bytes + 65536:
@@ -220,8 +299,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         options = checked.model_dump(mode="json")  # stored complete: what the job ran with
         if mode not in jobs.MODES:
             raise HTTPException(422, f"mode must be one of {', '.join(jobs.MODES)}")
-        task = _source(raw_task, "task", "task")
-        candidate = _source(raw_cand or None, "candidate", "candidate")
+        task = read_source(raw_task, "task", "task", s.api_max_upload_bytes)
+        candidate = read_source(raw_cand or None, "candidate", "candidate", s.api_max_upload_bytes)
         if mode == "verify" and candidate is None:
             raise HTTPException(422, "a verify job needs a candidate")
         try:  # user code: in a sandbox child, in a thread so the event loop keeps serving
@@ -248,34 +327,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Queue a job (JSON or multipart with fields task, candidate, mode, options)."""
         task, candidate, mode, options = await _job_input(request)
         with transaction(engine) as session:
-            active = session.scalar(
-                select(func.count())
-                .select_from(jobs.Job)
-                .where(jobs.Job.owner_id == who.user_id, jobs.Job.status.in_(("queued", "running")))
-            )
-            if active >= s.api_max_active_jobs:
-                raise HTTPException(
-                    429, f"{active} jobs are queued or running; at most {s.api_max_active_jobs}"
-                )
-            t = jobs.now()
-            job = jobs.Job(
-                id=jobs.new_job_id(),
-                owner_id=who.user_id,
-                token_id=who.token_id,
-                status="queued",
-                mode=mode,
-                task_source=task,
-                candidate_source=candidate,
-                options=options,
-                cancel_requested=False,
-                attempts=0,
-                created_at=t,
-                updated_at=t,
-            )
-            session.add(job)
-            session.flush()
-            jobs.add_event(session, job.id, "status", {"status": "queued"})
-            return job.to_dict()
+            return enqueue_job(session, who, task, candidate, mode, options, s.api_max_active_jobs).to_dict()
 
     @app.get(f"{PREFIX}/jobs")
     def list_jobs(
@@ -335,32 +387,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         resume = min(int(digits[:12]), MAX_INT) if digits.isascii() and digits.isdigit() else 0
         start = after if after is not None else resume
 
-        def stream():
-            last, idle = start, 0.0
-            while True:
-                with transaction(engine) as session:
-                    status = session.scalar(select(jobs.Job.status).where(jobs.Job.id == job_id))
-                    rows = session.scalars(
-                        select(jobs.JobEvent)
-                        .where(jobs.JobEvent.job_id == job_id, jobs.JobEvent.seq > last)
-                        .order_by(jobs.JobEvent.seq)
-                        .limit(200)
-                    ).all()
-                    batch = [(r.seq, r.type, r.data) for r in rows]
-                for seq, kind, data in batch:
-                    yield f"id: {seq}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
-                    last = seq
-                if not batch:
-                    if status in jobs.ENDED:
-                        return
-                    time.sleep(0.5)
-                    idle += 0.5
-                    if idle >= 15:
-                        idle = 0.0
-                        yield ": keep-alive\n\n"
-
         return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            job_event_stream(engine, job_id, start),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
         )
 
     @app.post(f"{PREFIX}/jobs/{{job_id}}/messages", status_code=202)
@@ -368,13 +398,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """A chat message: a running job takes it at its next plan; an ended optimize job resumes with it."""
         with transaction(engine) as session:
             job = own_job(session, job_id, who)
-            session.add(jobs.JobMessage(job_id=job.id, text=body.text, created_at=jobs.now()))
-            jobs.add_event(session, job.id, "message", {"text": body.text, "user": who.user})
-            if job.status in ("succeeded", "failed") and job.mode == "optimize":
-                job.status = "queued"
-                job.cancel_requested = False
-                job.finished_at = None
-                jobs.add_event(session, job.id, "status", {"status": "queued", "resumed_by": "message"})
+            add_message(session, job, body.text, who.user)
             return job.to_dict()
 
     # -- knowledge base and workers -------------------------------------------------------------
@@ -413,7 +437,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except redis.RedisError as exc:
             raise HTTPException(503, f"the broker is not reachable: {exc}") from exc
 
+    from kernelcrew.web import mount_web
+
+    mount_web(app, s, engine)
     return app
 
 
-__all__ = ["PREFIX", "create_app"]
+__all__ = [
+    "PREFIX",
+    "Principal",
+    "add_message",
+    "create_app",
+    "enqueue_job",
+    "job_event_stream",
+    "read_source",
+]

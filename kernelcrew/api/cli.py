@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-token_app = typer.Typer(help="API tokens: create (shown once) and revoke.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens: create (shown once), list and revoke.", no_args_is_help=True)
 
 
 @token_app.command("create")
@@ -35,6 +35,26 @@ def token_create(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--scope") from exc
     typer.echo(token)
+
+
+@token_app.command("list")
+def token_list(
+    user: Annotated[str | None, typer.Option(help="Only this user's tokens.")] = None,
+) -> None:
+    """The tokens: id, prefix, user, scopes, created, revoked (a token is never shown again)."""
+    from kernelcrew.knowledge_base.db import get_engine, transaction
+    from kernelcrew.worker import jobs
+
+    with transaction(get_engine()) as session:
+        rows = jobs.list_tokens(session, user)
+        if not rows:
+            typer.echo("no tokens" + (f" for {user}" if user else ""), err=True)
+        for tok, name in rows:
+            revoked = tok.revoked_at.isoformat(timespec="seconds") if tok.revoked_at else "-"
+            typer.echo(
+                f"{tok.id}\t{tok.prefix}\t{name}\t{','.join(tok.scopes)}\t"
+                f"{tok.created_at.isoformat(timespec='seconds')}\trevoked {revoked}"
+            )
 
 
 @token_app.command("revoke")

@@ -477,8 +477,8 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     source, path = payload["candidate_source"], payload["candidate_path"]
     apply_precision(policy)
     task = load_task(payload["task_source"], path=payload["task_path"])
-    state = torch.load(workdir / "state_dict.pt", weights_only=True)
-    input_lists = torch.load(workdir / "inputs.pt", weights_only=True)
+    state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
+    input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
     sets = payload["sets"]
 
     launches = _LaunchCounter()
@@ -589,8 +589,8 @@ def memcheck_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     device, seed = payload["device"], int(payload["seed"])
     apply_precision(payload["precision"])
     task = load_task(payload["task_source"], path=payload["task_path"])
-    state = torch.load(workdir / "state_dict.pt", weights_only=True)
-    input_lists = torch.load(workdir / "inputs.pt", weights_only=True)
+    state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
+    input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
     sizes = [sum(x.numel() for x in s if isinstance(x, torch.Tensor)) for s in input_lists]
     index = sizes.index(min(sizes))
     model, _ref, _build = load_candidate_model(
@@ -642,9 +642,9 @@ def benchmark_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     apply_precision(policy)
     task = load_task(payload["task_source"], path=payload["task_path"])
     if (workdir / "inputs.pt").exists():
-        input_lists = torch.load(workdir / "inputs.pt", weights_only=True)
+        input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
         input_lists = [input_lists[i] for i in payload.get("set_indices", range(len(input_lists)))]
-        state = torch.load(workdir / "state_dict.pt", weights_only=True)
+        state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
         reference, _ = build_reference(task, seed)
         reference.load_state_dict(state)
     else:
@@ -732,8 +732,8 @@ def _profiled_model(payload: dict[str, Any], workdir: Path) -> tuple[Any, list[A
     device, seed = payload["device"], int(payload["seed"])
     apply_precision(payload["precision"])
     task = load_task(payload["task_source"], path=payload["task_path"])
-    state = torch.load(workdir / "state_dict.pt", weights_only=True)
-    inputs = to_device(torch.load(workdir / "inputs.pt", weights_only=True)[0], device)
+    state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
+    inputs = to_device(torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)[0], device)
     if payload.get("candidate_source"):
         model, _ref, _build = load_candidate_model(
             task, payload["candidate_source"], payload["candidate_path"], seed, state, device

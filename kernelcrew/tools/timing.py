@@ -813,9 +813,9 @@ def benchmark(
         result["seed"] = seed
         samples_path = workdir / "child" / "samples.pt"
         if golden is not None and samples_path.exists():
-            samples = torch.load(samples_path, weights_only=True)
-            gold = torch.load(golden.path / "golden.pt", weights_only=True)
-            native = torch.load(golden.path / "native.pt", weights_only=True)
+            samples = torch.load(samples_path, weights_only=True, mmap=True)
+            gold = torch.load(golden.path / "golden.pt", weights_only=True, mmap=True)
+            native = torch.load(golden.path / "native.pt", weights_only=True, mmap=True)
             checked = 0
             for key, outs in samples.items():
                 name, _, local = key.rsplit(":", 2)

@@ -180,6 +180,15 @@ def revoke_token(session: Session, prefix_or_id: str) -> ApiToken | None:
     return tok
 
 
+def list_tokens(session: Session, user: str | None = None) -> list[tuple[ApiToken, str]]:
+    """Every token (or ``user``'s) with its user's name, oldest first; the tokens themselves are
+    not stored, only their hashes, so a list shows prefixes."""
+    query = select(ApiToken, User.name).join(User, User.id == ApiToken.user_id).order_by(ApiToken.id)
+    if user is not None:
+        query = query.where(User.name == user)
+    return [(tok, name) for tok, name in session.execute(query)]
+
+
 def authenticate(session: Session, token: str) -> tuple[ApiToken, User] | None:
     """The live token and its user, or None (unknown or revoked)."""
     tok = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))

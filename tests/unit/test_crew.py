@@ -54,6 +54,8 @@ def test_playbook_run_returns_a_verified_own_kernel(playbook_run):
     assert strategies[0] == "fused_pointwise" and len(strategies) == 2
     assert len(set(strategies)) == 2, "the planner never repeats a step"
     assert all(it["verdict"] == "pass" for it in report["iterations"])
+    seconds = [it["elapsed_s"] for it in report["iterations"]]
+    assert 0 < seconds[0] <= seconds[1] <= report["elapsed_s"], "each step says when it ended"
     compiled = [it for it in report["iterations"] if it["strategy"].startswith("torch_compile")]
     assert compiled and compiled[0]["kind"] == "compiler"
     assert "CPU wall-clock" in report["timings_note"]

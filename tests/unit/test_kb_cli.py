@@ -123,3 +123,20 @@ def test_missing_file_and_unreachable_database_exit_2(env, monkeypatch):
 def test_help_lists_kb_and_no_kb():
     assert "kb" in runner.invoke(app, ["--help"]).stdout
     assert "--no-kb" in runner.invoke(app, ["optimize", "--help"]).stdout
+
+
+def test_token_list_shows_prefixes_and_revocations_never_the_token(env):
+    created = runner.invoke(app, ["token", "create", "--user", "bob", "--scope", "read"])
+    assert created.exit_code == 0, created.output
+    token = created.stdout.strip().splitlines()[-1]
+    runner.invoke(app, ["token", "create", "--user", "carol"])
+    prefix = token.split("_")[1]
+    assert runner.invoke(app, ["token", "revoke", prefix]).exit_code == 0
+    listed = runner.invoke(app, ["token", "list"])
+    assert listed.exit_code == 0 and token not in listed.stdout
+    rows = [line.split("\t") for line in listed.stdout.strip().splitlines()]
+    assert [r[2] for r in rows] == ["bob", "carol"]
+    assert rows[0][1] == prefix and rows[0][3] == "read" and rows[0][5].startswith("revoked 20")
+    assert rows[1][5] == "revoked -"
+    only = runner.invoke(app, ["token", "list", "--user", "carol"])
+    assert [line.split("\t")[2] for line in only.stdout.strip().splitlines()] == ["carol"]

@@ -1,0 +1,333 @@
+"""What the pages show, computed from a job's row, its event stream and its report.
+
+The event stream is the one record that exists while a job runs and after it ends, so the timeline,
+the chat and the live numbers are read from it; the evidence that only the end provides (final
+timings, speed of light, Nsight Compute, the best source) comes from the report.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kernelcrew.agents.report import _NCU_ROWS, _stalls
+from kernelcrew.web.charts import Chart, Series, roofline_chart, time_chart
+
+PRIVATE_RESULT_KEYS = ("_best_py", "_report_md")
+
+
+def task_name(source: str) -> str:
+    """The first line of the task's docstring; else a short hash, so two tasks are told apart."""
+    try:
+        doc = ast.get_docstring(ast.parse(source)) or ""
+    except SyntaxError:
+        doc = ""
+    first = doc.strip().splitlines()[0] if doc.strip() else ""
+    if first:
+        return first if len(first) <= 80 else first[:77] + "..."
+    return "task " + hashlib.sha256(source.encode()).hexdigest()[:8]
+
+
+def age(when: datetime | None, now: datetime | None = None) -> str:
+    if when is None:
+        return "-"
+    when = when if when.tzinfo else when.replace(tzinfo=UTC)
+    seconds = max(0, int(((now or datetime.now(UTC)) - when).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size} {unit} ago"
+    return f"{seconds} s ago"
+
+
+def public_result(result: dict[str, Any] | None) -> dict[str, Any]:
+    """The report without the stored files (best source, markdown), which are shown on their own."""
+    return {k: v for k, v in (result or {}).items() if k not in PRIVATE_RESULT_KEYS}
+
+
+def target_of(options: dict[str, Any], result: dict[str, Any]) -> str:
+    """Where the job ran (from its report) or was asked to run (from its options)."""
+    if result.get("gpu_name") and result.get("device") != "cpu":
+        return f"{result['gpu_name']} ({result.get('arch')})"
+    if options.get("device") == "cpu" or result.get("device") == "cpu":
+        return "CPU"
+    return options.get("gpu") or "any GPU"
+
+
+def best_speedup(result: dict[str, Any]) -> tuple[float | None, bool]:
+    """The best speedup over eager and whether it is a CPU timing (never a GPU speedup)."""
+    best = result.get("best") or {}
+    if best.get("speedup_eager") is not None:
+        return best["speedup_eager"], best.get("clock") == "cpu-wall" or result.get("device") == "cpu"
+    if result.get("speedup") is not None:  # a verify job
+        clock = ((result.get("timing") or {}).get("clock")) or ""
+        return result["speedup"], clock == "cpu-wall"
+    return None, False
+
+
+@dataclass
+class JobRow:
+    id: str
+    status: str
+    mode: str
+    task: str
+    target: str
+    speedup: float | None
+    cpu_timing: bool
+    age: str
+
+
+def job_row(job: Any) -> JobRow:
+    result = public_result(job.result)
+    speedup, cpu = best_speedup(result)
+    return JobRow(
+        id=job.id,
+        status=job.status,
+        mode=job.mode,
+        task=task_name(job.task_source),
+        target=target_of(job.options or {}, result),
+        speedup=speedup,
+        cpu_timing=cpu,
+        age=age(job.created_at),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# The timeline and the chat, from the events
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    name: str
+    state: str
+    """``ok``, ``fail`` or ``info``: the colour of the stage's mark."""
+    detail: str
+
+
+@dataclass
+class Step:
+    number: int
+    strategy: str
+    params: dict[str, Any] = field(default_factory=dict)
+    rationale: str = ""
+    origin: str = ""
+    stages: list[Stage] = field(default_factory=list)
+    verdict: str | None = None
+    time_ms: float | None = None
+    speedup: float | None = None
+    new_best: bool = False
+    failure: str = ""
+
+
+@dataclass
+class ChatItem:
+    seq: int
+    who: str
+    """``user``, ``crew`` or ``note``."""
+    author: str
+    text: str
+
+
+@dataclass
+class Progress:
+    """What the events say so far: the baseline, the steps, the chat, and the best step."""
+
+    baseline: dict[str, Any] | None = None
+    steps: list[Step] = field(default_factory=list)
+    chat: list[ChatItem] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    last_seq: int = 0
+
+    @property
+    def best(self) -> Step | None:
+        bests = [s for s in self.steps if s.new_best]
+        return bests[-1] if bests else None
+
+
+def _current(progress: Progress, strategy: str = "") -> Step:
+    """The step an event belongs to: the last one planned (a start kernel's check is step 0)."""
+    if not progress.steps:
+        progress.steps.append(Step(0, strategy or "your kernel"))
+    return progress.steps[-1]
+
+
+def _on_verify(progress: Progress, data: dict[str, Any]) -> None:
+    step = _current(progress)
+    ok = data.get("verdict") == "pass"
+    step.stages.append(Stage("verify", "ok" if ok else "fail", f"{data.get('stage')}: {data.get('message')}"))
+    step.verdict = data.get("verdict")
+    if not ok:
+        step.failure = str(data.get("message") or data.get("stage") or "failed")
+
+
+def _on_timing(progress: Progress, data: dict[str, Any]) -> None:
+    step = _current(progress)
+    if data.get("verdict") == "fail":
+        step.stages.append(Stage("profile", "fail", str(data.get("message"))))
+        step.verdict, step.failure = "fail", str(data.get("message"))
+        return
+    step.time_ms, step.speedup = data.get("time_ms"), data.get("speedup_eager")
+    cpu = " (CPU timing)" if data.get("clock") == "cpu-wall" else ""
+    detail = f"{_num(step.time_ms, ' ms')}, {_num(step.speedup, 'x')} over eager{cpu}"
+    step.stages.append(Stage("profile", "ok", detail + (", significant" if data.get("significant") else "")))
+
+
+def _num(v: float | None, unit: str) -> str:
+    return "-" if v is None else f"{v:.4g}{unit}"
+
+
+def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> None:
+    if kind == "baseline":
+        progress.baseline = data
+    elif kind == "plan":
+        progress.steps.append(
+            Step(
+                len([s for s in progress.steps if s.number > 0]) + 1,
+                str(data.get("strategy")),
+                params=data.get("params") or {},
+                rationale=str(data.get("rationale") or ""),
+                origin=str(data.get("source") or ""),
+                stages=[Stage("plan", "info", str(data.get("rationale") or ""))],
+            )
+        )
+    elif kind == "code":
+        repair = " (repair)" if data.get("repair") else ""
+        _current(progress).stages.append(Stage("code", "info", f"{data.get('lines')} lines{repair}"))
+    elif kind == "verify":
+        _on_verify(progress, data)
+    elif kind == "timing":
+        _on_timing(progress, data)
+    elif kind == "benchmark":  # a verify job's timing of its candidate
+        cpu = " (CPU timing)" if data.get("clock") == "cpu-wall" else ""
+        step = _current(progress)
+        step.speedup = data.get("speedup")
+        step.stages.append(Stage("profile", "info", f"{_num(step.speedup, 'x')} over eager{cpu}"))
+    elif kind == "ncu":
+        state = "ok" if data.get("available") else "info"
+        detail = "Nsight Compute profile taken" if data.get("available") else "no Nsight Compute profile"
+        _current(progress).stages.append(Stage("ncu", state, detail))
+    elif kind == "decide":
+        step = _current(progress)
+        step.verdict = data.get("verdict") or step.verdict
+        step.new_best = bool(data.get("new_best"))
+    elif kind == "message":
+        progress.chat.append(ChatItem(seq, "user", str(data.get("user") or "you"), str(data.get("text"))))
+    elif kind == "reply":
+        progress.chat.append(ChatItem(seq, "crew", "crew", str(data.get("message"))))
+    elif kind == "message_taken":
+        note = f"the crew took {len(data.get('messages') or [])} message(s) before step {data.get('step')}"
+        progress.chat.append(ChatItem(seq, "note", "", note))
+    elif kind == "status" and data.get("resumed_by") == "message":
+        progress.chat.append(
+            ChatItem(seq, "note", "", "the job was queued again to continue from its checkpoint")
+        )
+    elif kind in ("error", "invalid_plan"):
+        progress.errors.append(f"{data.get('node') or kind}: {data.get('message')}")
+
+
+def progress_of(events: list[tuple[int, str, dict[str, Any]]]) -> Progress:
+    progress = Progress()
+    for seq, kind, data in events:
+        _on_event(progress, seq, kind, data)
+        progress.last_seq = seq
+    return progress
+
+
+# ------------------------------------------------------------------------------------------------
+# The evidence, from the report
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NcuTable:
+    available: bool
+    reason: str = ""
+    header: str = ""
+    rows: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def ncu_table(report: dict[str, Any]) -> NcuTable:
+    """Reference and best side by side, with the report's own rows and formats."""
+    ncu = report.get("ncu") or {}
+    ref, best = ncu.get("reference") or {}, ncu.get("best") or {}
+    if not ref.get("available"):
+        return NcuTable(False, reason=str(ref.get("reason") or "Nsight Compute did not run"))
+    rs = ref.get("summary") or {}
+    bs = (best.get("summary") if best.get("available") else None) or {}
+
+    def cell(summary: dict[str, Any], key: str, fmt: str) -> str:
+        value = summary.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    rows = [(label, cell(rs, key, fmt), cell(bs, key, fmt)) for label, key, fmt in _NCU_ROWS]
+    rows.append(("top stalls", _stalls(rs), _stalls(bs) if bs else "-"))
+    header = f"ncu {ref.get('version')}, clock control {ref.get('clock_control')}"
+    reason = "" if bs else f"best: {best.get('reason') or 'no profile of the best candidate'}"
+    return NcuTable(True, reason=reason, header=header, rows=rows)
+
+
+def time_series(progress: Progress) -> tuple[list[tuple[int, Series | None]], list[Series]]:
+    """Each step's time from the events, and eager / compile / floor from the baseline."""
+    steps: list[tuple[int, Series | None]] = []
+    for s in progress.steps:
+        label = f"{s.strategy}"
+        if s.time_ms is not None:
+            steps.append((s.number, Series(label, s.time_ms)))
+        elif s.verdict == "fail":
+            steps.append((s.number, Series(label, 0.0, ok=False)))
+        else:
+            steps.append((s.number, None))
+    refs = []
+    base = progress.baseline or {}
+    if base.get("eager_ms"):
+        refs.append(Series("eager", base["eager_ms"]))
+    for mode, ms in (base.get("compile_ms") or {}).items():
+        if ms:
+            refs.append(Series(f"compile {mode}", ms))
+    if base.get("floor_ms"):
+        refs.append(Series("speed of light", base["floor_ms"]))
+    return steps, refs
+
+
+@dataclass
+class Evidence:
+    """The charts and tables of a job page."""
+
+    time: Chart
+    roofline: Chart
+    ncu: NcuTable | None
+
+
+def evidence(report: dict[str, Any], progress: Progress, mode: str) -> Evidence:
+    steps, refs = time_series(progress)
+    if mode == "verify":
+        roof = Chart(reason="Not available for a verify job: it checks and times one kernel, unprofiled.")
+        return Evidence(time_chart(steps, refs), roof, None)
+    if report.get("iterations") is None:
+        roof = Chart(reason="The roofline is drawn from the final report, when the job has ended.")
+        return Evidence(time_chart(steps, refs), roof, None)
+    return Evidence(time_chart(steps, refs), roofline_chart(report), ncu_table(report))
+
+
+__all__ = [
+    "ChatItem",
+    "Evidence",
+    "JobRow",
+    "NcuTable",
+    "Progress",
+    "Stage",
+    "Step",
+    "age",
+    "best_speedup",
+    "evidence",
+    "job_row",
+    "ncu_table",
+    "progress_of",
+    "public_result",
+    "target_of",
+    "task_name",
+    "time_series",
+]

@@ -1,0 +1,217 @@
+"""The web UI in-process (FastAPI TestClient, SQLite): sign-in, cookie flags, CSRF, ownership, forms.
+
+The browser walk against the real service is ``tests/browser``; these are the fast checks of the
+rules a browser cannot see directly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from kernelcrew.api.app import create_app
+from kernelcrew.config import Settings
+from kernelcrew.knowledge_base.db import get_engine, transaction
+from kernelcrew.worker import jobs
+from tests.conftest import FIXTURES
+
+TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()
+ROOT = Path(__file__).parents[2]
+H100_REPORT = ROOT / "bench" / "results" / "kb_runs" / "without_kb" / "report.json"
+
+
+class Site:
+    def __init__(self, tmp_path: Path) -> None:
+        self.settings = Settings(data_dir=tmp_path, broker_url="redis://127.0.0.1:1/0")
+        self.engine = get_engine(self.settings)
+        with transaction(self.engine) as session:
+            self.tokens = {
+                "ann": jobs.create_token(session, "ann", ["submit", "read"])[1],
+                "bob": jobs.create_token(session, "bob", ["submit", "read"])[1],
+            }
+        self.app = create_app(self.settings)
+
+    def client(self) -> TestClient:
+        return TestClient(self.app, follow_redirects=False)
+
+    def signed_in(self, user: str) -> TestClient:
+        c = self.client()
+        csrf = form_csrf(c.get("/signin").text)
+        r = c.post("/signin", data={"csrf": csrf, "token": self.tokens[user], "next": "/jobs"})
+        assert r.status_code == 303, r.text
+        return c
+
+    def job_count(self) -> int:
+        with transaction(self.engine) as s:
+            return s.scalar(select(func.count()).select_from(jobs.Job))
+
+
+def form_csrf(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+def store_finished_job(engine, user: str, report: dict, best: str | None) -> str:
+    """A finished optimize job of ``user`` whose result is ``report`` (its task file from the repository),
+    with the events of its steps."""
+    with transaction(engine) as s:
+        owner = s.scalar(select(jobs.User.id).where(jobs.User.name == user))
+        job = jobs.Job(
+            id=jobs.new_job_id(), owner_id=owner, status="succeeded", mode="optimize", task_source=(ROOT / report["task"]).read_text(),
+            options={"device": report["device"], "max_iters": len(report["iterations"]), "backend": "playbook",
+                     "precision": "strict", "time_budget_s": 900},
+            result={**report, "_best_py": best, "_report_md": "# report"} if best else report,
+        )  # fmt: skip
+        s.add(job)
+        s.flush()
+        jobs.add_event(s, job.id, "baseline", {"clock": report["clock"], **report["baseline"]})
+        for it in report["iterations"]:
+            jobs.add_event(s, job.id, "plan", {"strategy": it["strategy"], "params": it["params"]})
+            jobs.add_event(
+                s, job.id, "verify", {"verdict": it["verdict"], "stage": "done", "message": it["message"]}
+            )
+            jobs.add_event(
+                s, job.id, "timing", {"time_ms": it["time_ms"], "speedup_eager": it["speedup_eager"]}
+            )
+            jobs.add_event(s, job.id, "decide", {"verdict": it["verdict"], "new_best": it["new_best"]})
+        return job.id
+
+
+@pytest.fixture
+def site(tmp_path) -> Site:
+    return Site(tmp_path)
+
+
+def test_a_wrong_token_is_refused_and_a_right_one_sets_a_strict_httponly_cookie(site):
+    c = site.client()
+    assert c.get("/jobs").headers["location"] == "/signin?next=/jobs"
+    csrf = form_csrf(c.get("/signin").text)
+    r = c.post("/signin", data={"csrf": csrf, "token": "kc_00000000_nope"})
+    assert r.status_code == 401 and "unknown or revoked" in r.text
+    assert "kc_session" not in r.headers.get("set-cookie", "")
+    r = c.post("/signin", data={"csrf": csrf, "token": site.tokens["ann"], "next": "https://evil.example/"})
+    assert r.status_code == 303 and r.headers["location"] == "/jobs"  # never off-site
+    cookie = next(v for v in r.headers.get_list("set-cookie") if v.startswith("kc_session="))
+    flags = {f.strip().lower() for f in cookie.split(";")[1:]}
+    assert {"httponly", "samesite=strict", "path=/"} <= flags
+    assert "secure" not in flags  # plain HTTP here; set whenever the page is served over HTTPS
+    assert c.get("/jobs").status_code == 200
+    with transaction(site.engine) as s:  # revoking the token signs the browser out at once
+        jobs.revoke_token(s, site.tokens["ann"])
+    assert c.get("/jobs").status_code == 303
+
+
+def test_forms_without_the_csrf_token_are_refused(site):
+    c = site.signed_in("ann")
+    assert c.post("/jobs/new", data={"task_text": TASK, "target": "cpu"}).status_code == 403
+    assert c.post("/jobs/new", data={"csrf": "0" * 64, "task_text": TASK, "target": "cpu"}).status_code == 403
+    assert site.job_count() == 0
+    assert c.post("/signout", data={}).status_code == 403
+    other = site.client()  # the sign-in form is double-submit: its field must match its cookie
+    form_csrf(other.get("/signin").text)
+    r = other.post("/signin", data={"csrf": "forged", "token": site.tokens["ann"]})
+    assert r.status_code == 403 and "kc_session" not in r.headers.get("set-cookie", "")
+    csrf = form_csrf(c.get("/jobs/new").text)
+    assert c.post("/signout", data={"csrf": csrf}).headers["location"] == "/signin"
+
+
+def test_the_new_job_form_shows_errors_next_to_inputs_and_queues_a_valid_job(site):
+    c = site.signed_in("ann")
+    csrf = form_csrf(c.get("/jobs/new").text)
+    fields = {"csrf": csrf, "target": "cpu", "mode": "optimize", "max_iters": "0", "compile_modes": "fast"}
+    r = c.post("/jobs/new", data={**fields, "task_text": "def (:\n"})
+    assert r.status_code == 422 and site.job_count() == 0
+    for name, words in (
+        ("task", "not a valid task"),
+        ("max_iters", "greater than"),
+        ("compile_modes", "fast"),
+    ):
+        assert re.search(rf'id="{name}-error" class="error">[^<]*{words}', r.text), name
+    assert 'aria-describedby="task-error"' in r.text
+    r = c.post(
+        "/jobs/new",
+        data={**fields, "max_iters": "2", "compile_modes": "none", "quick": "on", "backend": "playbook"},
+        files={"task_file": ("task.py", TASK.encode())},
+    )
+    assert r.status_code == 303, r.text
+    job_id = r.headers["location"].rsplit("/", 1)[1]
+    with transaction(site.engine) as s:
+        job = s.get(jobs.Job, job_id)
+        assert job.status == "queued" and job.task_source == TASK
+        assert job.options["device"] == "cpu" and job.options["max_iters"] == 2 and job.options["quick"]
+    assert "tanh(x * 2 + y)" in c.get("/jobs").text
+
+
+def test_another_users_job_is_not_found(site):
+    ann, bob = site.signed_in("ann"), site.signed_in("bob")
+    csrf = form_csrf(bob.get("/jobs/new").text)
+    r = bob.post("/jobs/new", data={"csrf": csrf, "task_text": TASK, "target": "cpu"})
+    job_id = r.headers["location"].rsplit("/", 1)[1]
+    assert bob.get(f"/jobs/{job_id}").status_code == 200
+    for path in ("", "/best.py", "/report.json", "/events"):
+        r = ann.get(f"/jobs/{job_id}{path}")
+        assert r.status_code == 404 and "text/html" in r.headers["content-type"], path
+    ann_csrf = form_csrf(ann.get("/jobs/new").text)
+    assert ann.post(f"/jobs/{job_id}/messages", data={"csrf": ann_csrf, "text": "stop"}).status_code == 404
+    assert job_id not in ann.get("/jobs").text
+
+
+def test_a_gpu_report_shows_its_roofline_ncu_table_diff_and_downloads(site):
+    """A real H100 report (bench/results) stored as a finished job's result: the GPU-only evidence."""
+    report = json.loads(H100_REPORT.read_text())
+    best = "class ModelNew(nn.Module):\n    pass\n"
+    job_id = store_finished_job(site.engine, "ann", report, best)
+    c = site.signed_in("ann")
+    page = c.get(f"/jobs/{job_id}").text
+    roofline = page[
+        page.index('id="roofline-chart"') : page.index("</figure>", page.index('id="roofline-chart"'))
+    ]
+    assert "<svg" in roofline and "DRAM 3350 GB/s" in roofline and "fp32 peak 67 TFLOP/s" in roofline
+    assert roofline.count('class="dot') == 2 + len(report["iterations"])  # eager, compile, each step
+    assert "DRAM throughput" in page and "long_scoreboard" in page  # Nsight Compute, side by side
+    assert "14.0%" in page  # the best's fraction of speed of light
+    assert 'class="d-add">+class ModelNew(nn.Module):' in page
+    assert c.get(f"/jobs/{job_id}/best.py").text == best
+    assert json.loads(c.get(f"/jobs/{job_id}/report.json").text)["status"] == report["status"]
+    assert "_best_py" not in c.get(f"/jobs/{job_id}/report.json").text
+
+
+def test_a_verify_job_shows_its_verdict_and_timing(site):
+    """A verify job has no steps of the crew: its check is the timeline, its verdict the outcome."""
+    c = site.signed_in("ann")
+    candidate = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()
+    csrf = form_csrf(c.get("/jobs/new").text)
+    fields = {"csrf": csrf, "target": "cpu", "mode": "verify", "task_text": TASK, "candidate_text": candidate}
+    job_id = c.post("/jobs/new", data=fields).headers["location"].rsplit("/", 1)[1]
+    verdict = {"verdict": "pass", "stage": "done", "message": "correct on 7 input sets"}
+    with transaction(site.engine) as s:
+        job = s.get(jobs.Job, job_id)
+        job.status = "succeeded"
+        job.result = {"verify": verdict, "verdict": "pass", "timing": {"clock": "cpu-wall"}, "speedup": 0.5}
+        jobs.add_event(s, job_id, "verify", {"candidate": "candidate", **verdict})
+        jobs.add_event(s, job_id, "benchmark", {"speedup": 0.5, "clock": "cpu-wall"})
+    page = c.get(f"/jobs/{job_id}").text
+    assert "correct on 7 input sets" in page and "0.5x over eager (CPU timing)" in page
+    assert "Not available for a verify job" in page
+
+
+def test_a_rejected_candidate_shows_its_failure_and_user_text_is_escaped(site):
+    c = site.signed_in("ann")
+    task = TASK.replace('"""Fixture task:', '"""<script>alert(1)</script> Fixture task:', 1)
+    csrf = form_csrf(c.get("/jobs/new").text)
+    job_id = c.post("/jobs/new", data={"csrf": csrf, "task_text": task, "target": "cpu"}).headers["location"]
+    job_id = job_id.rsplit("/", 1)[1]
+    failure = "correctness: output 0 differs at index (3, 1): max abs error 0.5 <b>"
+    with transaction(site.engine) as s:
+        jobs.add_event(s, job_id, "plan", {"strategy": "fused_pointwise", "params": {"BLOCK_SIZE": 64}})
+        jobs.add_event(s, job_id, "verify", {"verdict": "fail", "stage": "correctness", "message": failure})
+        jobs.add_event(s, job_id, "decide", {"verdict": "fail", "new_best": False})
+        jobs.add_event(s, job_id, "message", {"text": "<img src=x onerror=alert(1)>", "user": "ann"})
+    page = c.get(f"/jobs/{job_id}").text
+    assert "Rejected candidates" in page and "max abs error 0.5 &lt;b&gt;" in page
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
