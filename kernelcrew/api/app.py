@@ -112,6 +112,25 @@ def read_source(raw: bytes | str | None, what: str, kind: str, max_bytes: int) -
     return source
 
 
+async def check_task_imports(task: str, settings: Settings) -> None:
+    """Import the task once in a sandbox child (422 if that fails or outlasts the bound).
+
+    Shared by the REST route and the web form. User code: never in this process; in a thread, so
+    the event loop keeps serving while the child runs.
+    """
+    try:
+        await run_in_threadpool(
+            validate_in_sandbox,
+            task,
+            "task",
+            "task.py",
+            timeout_s=settings.api_validate_timeout_s,
+            settings=settings,
+        )
+    except TaskError as exc:
+        raise HTTPException(422, f"the task is not usable: {exc}") from exc
+
+
 def enqueue_job(
     session: Any,
     who: Principal,
@@ -303,12 +322,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         candidate = read_source(raw_cand or None, "candidate", "candidate", s.api_max_upload_bytes)
         if mode == "verify" and candidate is None:
             raise HTTPException(422, "a verify job needs a candidate")
-        try:  # user code: in a sandbox child, in a thread so the event loop keeps serving
-            await run_in_threadpool(
-                validate_in_sandbox, task, "task", "task.py", timeout_s=s.api_validate_timeout_s, settings=s
-            )
-        except TaskError as exc:
-            raise HTTPException(422, f"the task is not usable: {exc}") from exc
+        await check_task_imports(task or "", s)
         return task or "", candidate, mode, options
 
     @app.post(
