@@ -147,6 +147,9 @@ class Settings(BaseSettings):
     api_max_upload_bytes: int = Field(1024 * 1024, gt=0, description="Largest task or candidate source.")
     api_max_active_jobs: int = Field(4, ge=1, description="Queued + running jobs one user may have.")
     api_rate_per_minute: int = Field(600, ge=1, description="Requests one token may make per minute.")
+    api_validate_timeout_s: float = Field(
+        60.0, gt=0, description="Limit of importing an uploaded task in a sandbox child (422 above)."
+    )
     webhook_attempts: int = Field(4, ge=1, description="Deliveries of one webhook (backoff 1, 2, 4 s).")
 
 

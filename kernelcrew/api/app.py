@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError
@@ -21,10 +22,12 @@ from sqlalchemy import func, select, text
 
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.knowledge_base.db import get_engine, transaction
-from kernelcrew.task import TaskError, check_source
+from kernelcrew.task import TaskError, check_source, validate_in_sandbox
 from kernelcrew.worker import jobs
 
 PREFIX = "/api/v1"
+#: The largest offset or event sequence number a query takes (a 32-bit column; larger ones overflow).
+MAX_INT = 2**31 - 1
 
 
 @dataclass
@@ -107,6 +110,25 @@ def read_source(raw: bytes | str | None, what: str, kind: str, max_bytes: int) -
     except TaskError as exc:
         raise HTTPException(422, f"the {what} is not a valid {kind}: {exc}") from exc
     return source
+
+
+async def check_task_imports(task: str, settings: Settings) -> None:
+    """Import the task once in a sandbox child (422 if that fails or outlasts the bound).
+
+    Shared by the REST route and the web form. User code: never in this process; in a thread, so
+    the event loop keeps serving while the child runs.
+    """
+    try:
+        await run_in_threadpool(
+            validate_in_sandbox,
+            task,
+            "task",
+            "task.py",
+            timeout_s=settings.api_validate_timeout_s,
+            settings=settings,
+        )
+    except TaskError as exc:
+        raise HTTPException(422, f"the task is not usable: {exc}") from exc
 
 
 def enqueue_job(
@@ -300,6 +322,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         candidate = read_source(raw_cand or None, "candidate", "candidate", s.api_max_upload_bytes)
         if mode == "verify" and candidate is None:
             raise HTTPException(422, "a verify job needs a candidate")
+        await check_task_imports(task or "", s)
         return task or "", candidate, mode, options
 
     @app.post(
@@ -325,7 +348,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         who: Reader_,
         status: str | None = None,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
-        offset: Annotated[int, Query(ge=0)] = 0,
+        offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     ) -> dict[str, Any]:
         with transaction(engine) as session:
             q = select(jobs.Job).where(jobs.Job.owner_id == who.user_id)
@@ -369,12 +392,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         job_id: str,
         who: Reader_,
         last_event_id: Annotated[str | None, Header()] = None,
-        after: int | None = None,
+        after: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     ) -> StreamingResponse:
         """Server-Sent Events of the job (``id`` = sequence number); ends when the job has ended."""
         with transaction(engine) as session:
             own_job(session, job_id, who)
-        start = after if after is not None else int(last_event_id) if (last_event_id or "").isdigit() else 0
+        digits = last_event_id or ""  # a header: anything may come ("²" is a digit to isdigit())
+        resume = min(int(digits[:12]), MAX_INT) if digits.isascii() and digits.isdigit() else 0
+        start = after if after is not None else resume
 
         return StreamingResponse(
             job_event_stream(engine, job_id, start),
@@ -410,7 +435,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ensure_seeds(session)
             seeded.append(True)
         kb = KnowledgeBase(engine, Reader(who.user, who.team))
-        return {"items": kb.search(q, arch=arch, gpu_model=gpu_model, k=k)}
+        try:
+            return {"items": kb.search(q, arch=arch, gpu_model=gpu_model, k=k)}
+        except ValueError as exc:  # an architecture that is not sm_XY or cpu
+            raise HTTPException(422, str(exc)) from exc
 
     @app.get(f"{PREFIX}/workers")
     def workers(who: Reader_) -> dict[str, Any]:

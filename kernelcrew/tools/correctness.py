@@ -599,7 +599,9 @@ def _memcheck(
         "kernelcrew.tools.harness:memcheck_child",
         payload,
         workdir=cand_dir,
-        env=env,
+        # without PyTorch's caching allocator every tensor is its own allocation, so memcheck sees
+        # a read past a tensor's end (inside a cached 2 MiB segment it would look legal)
+        env={**env, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
         settings=s,
         wrapper=(tool, "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20"),
         writable=(cache_dirs(payload["candidate_source"])["root"],),

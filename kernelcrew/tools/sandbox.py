@@ -5,11 +5,17 @@ running ``python -m kernelcrew.tools.sandbox SPEC``. The child:
 
 * has its own working directory (``HOME`` and ``TMPDIR`` inside it) and a scrubbed environment:
   an allow-list of variables, so API keys, broker and database URLs never reach user code;
-* drops to an unprivileged user (``KERNELCREW_SANDBOX_USER``, default ``nobody``) when the caller is
-  root and that user can run this interpreter; otherwise it stays the caller's user and the record
-  says so (``isolation.user``);
 * joins a fresh pids cgroup (v1 or v2) when the caller may create one, so a fork bomb stops at the
-  limit even for root; it sets its own rlimits before any user code runs: RLIMIT_DATA for memory
+  limit even for root;
+* moves into a new network namespace (no interface up, so no socket reaches anything, loopback
+  included) where the kernel lets it: root needs only ``CLONE_NEWNET``; another user needs a user
+  namespace around it. Probed once per process; the record says which (``isolation.network``), and a
+  child that was promised a namespace and cannot make one runs no user code;
+* then drops to an unprivileged user (``KERNELCREW_SANDBOX_USER``, default ``nobody``) when the
+  caller is root and that user can run this interpreter; otherwise it stays the caller's user and the
+  record says so (``isolation.user``). The drop happens in the child, after the namespace and cgroup,
+  which need root;
+* sets its own rlimits before any user code runs: RLIMIT_DATA for memory
   (CUDA reserves terabytes of address space, so RLIMIT_AS would kill it; RLIMIT_DATA does not),
   RLIMIT_CPU, RLIMIT_NOFILE, RLIMIT_FSIZE, RLIMIT_NPROC (when not root) and no core dumps;
 * is its own process group and session; on timeout or too much output the whole group and every
@@ -18,13 +24,15 @@ running ``python -m kernelcrew.tools.sandbox SPEC``. The child:
 A segfault, a CUDA error, an infinite loop, ``sys.exit`` or ``os._exit`` inside user code becomes a
 :class:`SandboxResult` with a status and a message; the caller keeps running.
 
-What this does not enforce (issue 9 hardens it): network access, and, where the privilege drop is
-unavailable, a determined process running as root can raise its own limits.
+What this does not enforce (see SECURITY.md): a private filesystem view (the sandbox user can still
+write world-writable places such as ``/tmp`` and read world-readable files), and, where the privilege
+drop is unavailable, a determined process running as root can raise its own limits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -62,6 +70,9 @@ ENV_ALLOW = (
 )
 
 STATUSES = ("ok", "error", "timeout", "crashed", "output_limit")
+
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True)
@@ -178,6 +189,33 @@ def privilege_drop(settings: Settings | None = None) -> tuple[bool, str]:
     return verdict
 
 
+_net_cache: list[tuple[bool, str]] = []
+
+
+def network_isolation() -> tuple[bool, str]:
+    """Whether children can get their own network namespace here, and how (or why not).
+
+    Probed once per process with a throw-away child, because containers and kernels differ: Docker's
+    default seccomp profile refuses ``unshare``, some kernels refuse unprivileged user namespaces.
+    """
+    if not _net_cache:
+        try:
+            probe = subprocess.run(
+                [sys.executable, "-m", "kernelcrew.tools.sandbox", "--probe-network"],
+                cwd="/",
+                env=_base_env(Path("/tmp")),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            lines = (probe.stdout + probe.stderr).strip().splitlines() or ["no answer"]
+            verdict = (probe.returncode == 0, lines[-1])
+        except (OSError, subprocess.SubprocessError) as exc:
+            verdict = (False, f"probe failed: {exc}")
+        _net_cache.append(verdict)
+    return _net_cache[0]
+
+
 def _base_env(workdir: Path) -> dict[str, str]:
     env = {k: os.environ[k] for k in ENV_ALLOW if k in os.environ}
     exe_dir = str(Path(sys.executable).parent)
@@ -224,11 +262,6 @@ class _PidsCgroup:
             self.path = path
             self.reason = f"pids cgroup {path} (max {limit})"
             return
-
-    def chown(self, uid: int, gid: int) -> None:
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                os.chown(self.path / "cgroup.procs", uid, gid)
 
     def kill_all(self) -> None:
         if self.path is None:
@@ -281,7 +314,8 @@ def run(
     own directory is ``workdir / "child"``, the only place it may write besides ``writable``, the
     build caches, which are handed to the sandbox user for the run). ``env`` adds variables to the
     scrubbed environment (never secrets). ``wrapper`` prefixes the child's command line (a tool such
-    as ``compute-sanitizer`` that runs the interpreter).
+    as ``compute-sanitizer`` that runs the interpreter); it shares the child's network namespace,
+    with a loopback up so the two can talk, and nothing else.
     """
     s = settings or get_settings()
     limits = limits or SandboxLimits.from_settings(s)
@@ -293,13 +327,19 @@ def run(
     can_drop, drop_reason = privilege_drop(s)
     ident = _sandbox_identity(s.sandbox_user) if can_drop else None
     cgroup = _PidsCgroup(limits.max_procs)
+    own_net, net_reason = network_isolation()
     isolation = {
         "user": s.sandbox_user if ident else pwd.getpwuid(os.geteuid()).pw_name,
         "privilege_drop": drop_reason,
         "pids_limit": cgroup.reason
         or ("RLIMIT_NPROC" if ident or os.geteuid() != 0 else "none: root without a cgroup"),
         "memory_limit": f"RLIMIT_DATA {limits.memory_bytes // 1024**2} MiB",
-        "network": "not isolated",
+        "network": (f"isolated: {net_reason}" + (", loopback up for the wrapper" if wrapper else ""))
+        if own_net
+        else f"not isolated: {net_reason}",
+        "filesystem": "writes: own directory and build caches, plus world-writable paths (/tmp, /dev/shm)"
+        if ident
+        else "writes: wherever the caller's user may (no privilege drop)",
     }
 
     spec = {
@@ -311,6 +351,8 @@ def run(
         "limits": asdict(limits),
         "cgroup_procs": str(cgroup.path / "cgroup.procs") if cgroup.path else None,
         "drop_nproc": ident is not None or os.geteuid() != 0,
+        "drop_to": list(ident) if ident is not None else None,
+        "isolate_network": own_net and not wrapper,  # else the launcher below made the namespace
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -318,7 +360,6 @@ def run(
     child_env = _base_env(child_dir)
     if env:
         child_env.update(env)
-    popen_kwargs: dict[str, Any] = {}
     if ident is not None:
         uid, gid = ident
         for path in (workdir, spec_path):
@@ -329,13 +370,18 @@ def run(
         os.chown(child_dir, uid, gid)
         for path in writable:
             _chown_tree(path, uid, gid)
-        cgroup.chown(uid, gid)
-        popen_kwargs.update(user=uid, group=gid, extra_groups=[])
 
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "kernelcrew.tools.sandbox", str(spec_path)],
+            [
+                *_launcher(own_net and bool(wrapper)),
+                *wrapper,
+                sys.executable,
+                "-m",
+                "kernelcrew.tools.sandbox",
+                str(spec_path),
+            ],
             cwd=child_dir,
             env=child_env,
             stdin=subprocess.DEVNULL,
@@ -343,7 +389,6 @@ def run(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
-            **popen_kwargs,
         )
     except OSError as exc:
         cgroup.remove()
@@ -392,6 +437,11 @@ def run(
     if own_workdir and not keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def _launcher(needed: bool) -> tuple[str, ...]:
+    """The command that makes a network namespace for a wrapper and its child together."""
+    return (sys.executable, "-m", "kernelcrew.tools.sandbox", "--netns-exec") if needed else ()
 
 
 def _read_child_result(result: SandboxResult, path: Path, returncode: int | None) -> None:
@@ -500,14 +550,37 @@ def _apply_limits(limits: dict[str, Any], drop_nproc: bool) -> None:
         lower(resource.RLIMIT_NPROC, int(limits["max_procs"]))
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this child when the parent dies (Linux), so no orphan runs on."""
-    import ctypes
+def _libc() -> ctypes.CDLL:
     import ctypes.util
 
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def unshare_network() -> str:
+    """Move this process into a new network namespace; raise OSError where the kernel refuses.
+
+    ctypes rather than ``os.unshare``, which only exists from Python 3.12 on.
+    """
+    root = os.geteuid() == 0
+    if _libc().unshare(CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNET) refused: {os.strerror(err)}")
+    return "own network namespace, no interface up" + ("" if root else " (inside a user namespace)")
+
+
+def _drop_privileges(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this child when the parent dies (Linux), so no orphan runs on.
+
+    Called after the privilege drop, which clears the request.
+    """
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the parent died before the request took effect
             os._exit(137)
 
@@ -517,11 +590,15 @@ def _child_main(spec_path: str) -> None:
     # harness code raising kernelcrew.tools.sandbox.StageError is recognized.
     from kernelcrew.tools.sandbox import StageError
 
-    _die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("cgroup_procs"):
         with contextlib.suppress(OSError):
             Path(spec["cgroup_procs"]).write_text(str(os.getpid()))
+    if spec["isolate_network"]:
+        unshare_network()  # raises before any user code when the promise cannot be kept
+    if spec["drop_to"]:
+        _drop_privileges(*spec["drop_to"])
+    _die_with_parent()
     _apply_limits(spec["limits"], spec["drop_nproc"])
     os.umask(0o077)
     result_path = Path(spec["result_path"])
@@ -554,5 +631,36 @@ def _child_main(spec_path: str) -> None:
     os._exit(0)  # skip atexit hooks and finalizers that user code may have installed
 
 
+def _loopback_up() -> None:
+    """Bring ``lo`` up in this (new) namespace: a wrapper and its child talk over it."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, siocgifflags, struct.pack("16sH", b"lo", 0))[:18])[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH", b"lo", flags | iff_up))
+
+
+def _netns_exec(argv: list[str]) -> None:
+    unshare_network()
+    _loopback_up()
+    os.execvp(argv[0], argv)
+
+
+def _probe_network() -> None:
+    try:
+        print(unshare_network())
+    except OSError as exc:
+        print(exc.strerror)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    _child_main(sys.argv[1])
+    if sys.argv[1] == "--probe-network":
+        _probe_network()
+    elif sys.argv[1] == "--netns-exec":
+        _netns_exec(sys.argv[2:])
+    else:
+        _child_main(sys.argv[1])

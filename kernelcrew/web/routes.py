@@ -24,7 +24,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from kernelcrew.agents.llm import BACKENDS as LLM_BACKENDS
-from kernelcrew.api.app import JobOptions, add_message, enqueue_job, job_event_stream, read_source
+from kernelcrew.api.app import (
+    JobOptions,
+    add_message,
+    check_task_imports,
+    enqueue_job,
+    job_event_stream,
+    read_source,
+)
 from kernelcrew.config import Settings
 from kernelcrew.knowledge_base.db import transaction
 from kernelcrew.web import views
@@ -180,6 +187,7 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
         if errors:
             return new_job_page(request, viewer, values, errors, 422)
         try:
+            await check_task_imports(task or "", settings)
             with transaction(engine) as session:
                 job = enqueue_job(
                     session, viewer.who, task or "", candidate, mode, options, settings.api_max_active_jobs

@@ -11,13 +11,17 @@ after the visibility timeout:
   :class:`WorkerLost`); the task itself gives up after ``task_max_attempts`` lost workers.
 
 The message expires after the whole horizon, so no worker runs a task its caller stopped waiting
-for. Results come back exactly as ``LocalExecutor`` returns them; a bad task or candidate raises
+for. A broker that cannot be reached (Redis restarting) is waited for, up to
+``task_queue_timeout_s``, and the request sent again. A worker that loses the broker stops what it
+runs and marks it revoked; its message would come back only after the visibility timeout, so the
+call revokes it for good and sends the request again at once, at most ``task_max_attempts`` times. Results come back exactly as ``LocalExecutor`` returns them; a bad task or candidate raises
 ``TaskError`` as it does locally, and everything else raises a
 :class:`~kernelcrew.worker.errors.WorkerError` (an ``ExecutorError``) that says what happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -107,34 +111,55 @@ class CeleryExecutor:
         check_request(op, request)
         s = self.settings
         started = time.monotonic()
+        stopped, result, outage_ends = 0, None, None
         try:
-            queue = self.route(request["device"])
-        except redis.RedisError as exc:
-            raise WorkerError(
-                f"cannot read the worker inventory at {store.safe_url(s.broker_url)}: {exc}"
-            ) from exc
+            while True:
+                try:
+                    queue = self.route(request["device"])
+                    result = self._send(op, request, queue)
+                    return _unwrap(op, self._wait(result, op, queue))
+                except _Stopped as exc:
+                    stopped += 1
+                    if stopped >= s.task_max_attempts:
+                        raise WorkerLost(
+                            f"the {op} task was stopped {stopped} times by workers that lost the "
+                            f"broker (KERNELCREW_TASK_MAX_ATTEMPTS)"
+                        ) from exc
+                    log.warning("%s task %s: %s; sending it again", op, self.last_call["task_id"], exc)
+                except (redis.RedisError, OperationalError) as exc:
+                    outage_ends = outage_ends or time.monotonic() + s.task_queue_timeout_s
+                    if time.monotonic() > outage_ends:
+                        raise WorkerError(
+                            f"the broker at {store.safe_url(s.broker_url)} stayed unreachable for "
+                            f"{s.task_queue_timeout_s:g} s (KERNELCREW_TASK_QUEUE_TIMEOUT_S): {exc}"
+                        ) from exc
+                    log.warning("%s call: the broker is unreachable (%s); trying again", op, exc)
+                    time.sleep(self.poll_s)
+                except NoWorkerOnline:
+                    if outage_ends is None or time.monotonic() > outage_ends:
+                        raise
+                    time.sleep(self.poll_s)  # a restarted broker is empty until workers beat again
+                if result is not None:  # abandoned: its redelivery after the visibility timeout is dropped
+                    with contextlib.suppress(redis.RedisError, OperationalError):
+                        result.revoke()
+                    result = None
+        finally:
+            self.last_call["wall_s"] = round(time.monotonic() - started, 3)
+
+    def _send(self, op: str, request: dict[str, Any], queue: str) -> Any:
+        s = self.settings
         task_id = str(uuid.uuid4())
         one_attempt = s.visibility_timeout_s + s.worker_restore_interval_s + s.task_queue_timeout_s
         expires = datetime.now(UTC) + timedelta(seconds=(s.task_max_attempts + 1) * one_attempt)
         self.last_call = {"op": op, "task_id": task_id, "queue": queue, "attempt": 0, "hostname": None}
-        try:
-            result = self.app.send_task(
-                TaskName.for_op(op).value,
-                args=[request],
-                kwargs={"job_id": self.job_id},
-                queue=queue,
-                task_id=task_id,
-                expires=expires,
-            )
-        except OperationalError as exc:
-            raise WorkerError(f"cannot send the {op} task to {store.safe_url(s.broker_url)}: {exc}") from exc
-        try:
-            envelope = self._wait(result, op, queue)
-        except (redis.RedisError, OperationalError) as exc:
-            raise WorkerError(f"lost the broker while waiting for the {op} task {task_id}: {exc}") from exc
-        finally:
-            self.last_call["wall_s"] = round(time.monotonic() - started, 3)
-        return _unwrap(op, envelope)
+        return self.app.send_task(
+            TaskName.for_op(op).value,
+            args=[request],
+            kwargs={"job_id": self.job_id},
+            queue=queue,
+            task_id=task_id,
+            expires=expires,
+        )
 
     def _wait(self, result: Any, op: str, queue: str) -> Any:
         from celery import states
@@ -185,7 +210,13 @@ class CeleryExecutor:
             return value
         if state == states.FAILURE:
             raise _failure(op, value, s)
+        if state == states.REVOKED:
+            raise _Stopped(f"revoked on its worker ({value})")
         raise WorkerError(f"the {op} task {result.id} ended as {state}: {value}")
+
+
+class _Stopped(WorkerError):
+    """A worker stopped the task without running it to the end (it lost the broker)."""
 
 
 def _failure(op: str, exc: Any, s: Settings) -> WorkerError:

@@ -7,6 +7,7 @@ lease so the kill test is quick) and one ``kernelcrew worker`` on the cpu queue.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -97,51 +98,48 @@ class Service:
             return s.scalar(select(func.count()).select_from(jobs.Job))
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory) -> Iterator[Service]:
-    r = redis.Redis.from_url(REDIS_URL)
-    try:
-        r.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"the service tests need Redis at {REDIS_URL}: {exc}")
-    r.flushdb()
-    pg = Postgres()
-    db_url = pg.create()
-    logs = tmp_path_factory.mktemp("service")
+SERVICE_ENV = dict(
+    KERNELCREW_JOB_LEASE_S="3",
+    KERNELCREW_ORCHESTRATOR_POLL_S="0.3",
+    KERNELCREW_API_MAX_UPLOAD_BYTES=str(MAX_UPLOAD),
+    KERNELCREW_WORKER_HEARTBEAT_S="1",
+    KERNELCREW_WORKER_RESTORE_INTERVAL_S="1",
+    KERNELCREW_TASK_QUEUE_TIMEOUT_S="60",
+    KERNELCREW_SANDBOX_TIMEOUT_S="60",
+    KERNELCREW_TASK_SOFT_TIME_LIMIT_S="90",
+    KERNELCREW_TASK_TIME_LIMIT_S="100",
+    KERNELCREW_VISIBILITY_MARGIN_S="5",
+)
+
+
+@contextlib.contextmanager
+def running_service(
+    db_url: str, redis_url: str, logs: Path, worker: str = "", **overrides: str
+) -> Iterator[Service]:
+    """``kernelcrew serve --orchestrators 0``, one orchestrator and one cpu worker on these stores.
+
+    ``worker`` names the worker (and its temporary directory), by default after this process: two
+    services with one name on a machine would delete each other's files.
+    Tokens: ``bob`` (submit, read), ``reader`` (carol, read), ``revoked`` (dave; revoked by a test).
+    Shared by the fault and load tests, which point it at private Redis and PostgreSQL instances.
+    """
+    worker = worker or f"kcsvc{os.getpid()}"
+    r = redis.Redis.from_url(redis_url)
     env = dict(os.environ)
     env.update(
         KERNELCREW_DATABASE_URL=db_url,
-        KERNELCREW_BROKER_URL=REDIS_URL,
+        KERNELCREW_BROKER_URL=redis_url,
         KERNELCREW_DATA_DIR=str(logs / "data"),
-        KERNELCREW_JOB_LEASE_S="3",
-        KERNELCREW_ORCHESTRATOR_POLL_S="0.3",
-        KERNELCREW_API_MAX_UPLOAD_BYTES=str(MAX_UPLOAD),
-        KERNELCREW_WORKER_HEARTBEAT_S="1",
-        KERNELCREW_WORKER_RESTORE_INTERVAL_S="1",
-        KERNELCREW_TASK_QUEUE_TIMEOUT_S="60",
-        KERNELCREW_SANDBOX_TIMEOUT_S="60",
-        KERNELCREW_TASK_SOFT_TIME_LIMIT_S="90",
-        KERNELCREW_TASK_TIME_LIMIT_S="100",
-        KERNELCREW_VISIBILITY_MARGIN_S="5",
+        **{**SERVICE_ENV, **overrides},
     )
     engine = make_engine(resolve_database_url(Settings(database_url=db_url)))
     upgrade(engine)
     port = free_port()
     svc = Service(f"http://127.0.0.1:{port}", env, engine, logs)
     try:
-        svc.start("worker", ["worker", "--broker", REDIS_URL, "--name", "kcsvc"])
+        svc.start("worker", ["worker", "--broker", redis_url, "--name", worker])
         svc.start("api", ["serve", "--port", str(port), "--orchestrators", "0"])
         svc.start("orch1", ["orchestrator"])
-        # one token through the CLI (printed alone on its last line), the others directly
-        out = subprocess.run(
-            [sys.executable, "-m", "kernelcrew", "token", "create", "--user", "alice"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        svc.tokens["alice"] = out.stdout.strip().splitlines()[-1]
         with transaction(engine) as s:
             svc.tokens["bob"] = jobs.create_token(s, "bob", ["submit", "read"])[1]
             svc.tokens["reader"] = jobs.create_token(s, "carol", ["read"])[1]
@@ -156,15 +154,55 @@ def service(tmp_path_factory) -> Iterator[Service]:
                 return False
 
         wait_for(up, 90, "the API", poll_s=0.3)
-        wait_for(lambda: r.keys("*kcsvc*") or r.keys("*worker*"), 90, "the worker online", poll_s=0.5)
+        wait_for(lambda: r.keys(f"*{worker}*") or r.keys("*worker*"), 90, "the worker online", poll_s=0.5)
         yield svc
     finally:
         for proc in svc.procs.values():
             proc.kill(signal.SIGTERM)
         engine.dispose()
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory) -> Iterator[Service]:
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"the service tests need Redis at {REDIS_URL}: {exc}")
+    r.flushdb()
+    pg = Postgres()
+    db_url = pg.create()
+    try:
+        with running_service(db_url, REDIS_URL, tmp_path_factory.mktemp("service")) as svc:
+            # alice's token through the CLI (printed alone on its last line)
+            out = subprocess.run(
+                [sys.executable, "-m", "kernelcrew", "token", "create", "--user", "alice"],
+                env=svc.env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
+            svc.tokens["alice"] = out.stdout.strip().splitlines()[-1]
+            yield svc
+    finally:
         pg.drop(db_url)
         pg.admin.close()
         r.flushdb()
+
+
+def unverified_wins(engine: Any) -> list[str]:
+    """Knowledge-base rows that are neither seeds nor wins of a job that ended verified."""
+    from kernelcrew.knowledge_base.models import Win
+
+    bad = []
+    with transaction(engine) as s:
+        for win in s.scalars(select(Win).where(Win.source != "seed")):
+            job = s.get(jobs.Job, win.job_id) if win.job_id else None
+            if win.source != "verified" or job is None or job.status != "succeeded":
+                bad.append(f"{win.id} ({win.source}, job {win.job_id})")
+    return bad
 
 
 def wait_status(
@@ -310,7 +348,8 @@ def test_health_workers_and_kb(service):
 def test_an_orchestrator_killed_mid_job_and_chat_messages_resume_from_the_checkpoint(service):
     """A message posted to a running job stops it at its next plan (it had budget for 2 steps), even
     though its orchestrator is killed right after: another one resumes the job from its checkpoint
-    once the lease expires. A message to the finished job queues it again; it resumes, not restarts."""
+    once the lease expires. A message to the finished job queues it again; it resumes, not restarts.
+    The knowledge base holds no record that a verified, finished job did not produce."""
     options = {"device": "cpu", "compile_modes": "none", "quick": True, "backend": "playbook", "max_iters": 2}
     with service.client("alice") as c:
         r = c.post("/api/v1/jobs", json={"task": TASK, "mode": "optimize", "options": options})
@@ -343,5 +382,6 @@ def test_an_orchestrator_killed_mid_job_and_chat_messages_resume_from_the_checkp
         events = sse(c, job["id"])
     kinds = [e[1] for e in events]
     assert kinds.count("baseline") == 1  # never started over: resumed from its checkpoints
+    assert unverified_wins(service.engine) == []
     replies = [e[2]["message"] for e in events if e[1] == "reply"]
     assert sum("Stopping" in m for m in replies) == 2, replies
