@@ -619,3 +619,45 @@ def test_menu(analyses):
         generate("flash_attention", task, analyses["pointwise"])
     with pytest.raises(ValueError, match="does not apply"):
         generate("fused_pointwise", TASKS["softmax"].read_text(), analyses["softmax"])
+
+
+@pytest.mark.parametrize("name", ["attention_bias", "attention_masked"])
+def test_spelled_out_attention_becomes_sdpa_and_verifies(name):
+    """A scale with an additive bias, and a projection, a division and a -inf boolean mask with a
+    residual after it: each site is replaced, the rest of the graph still runs, and the verifier
+    passes it as a library candidate."""
+    source = (FIXTURES / "tasks" / f"{name}.py").read_text()
+    analysis = local_analysis(source)
+    assert "sdpa_attention" in [s.name for s, _ in applicable(analysis)]
+    candidate = generate("sdpa_attention", source, analysis)
+    assert not static_check(candidate)
+    verdict = verify(source, candidate, device="cpu")
+    assert verdict.verdict == "pass", verdict.message
+    assert verdict.kind == "library"
+
+
+ATTENTION_SCORES_KEPT = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, q, k, v, w):
+        scores = q @ k.transpose(-2, -1)
+        return torch.softmax(scores * w, dim=-1) @ v, scores
+
+
+def get_inputs():
+    return [torch.randn(2, 8, 4), torch.randn(2, 8, 4), torch.randn(2, 8, 4), torch.randn(2, 8, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_attention_whose_scores_are_needed_elsewhere_is_left_alone():
+    analysis = local_analysis(ATTENTION_SCORES_KEPT)
+    assert "sdpa_attention" not in [s.name for s, _ in applicable(analysis)]
+    why = playbook.rejected(analysis)["sdpa_attention"]
+    assert "scaled by a tensor" in why or "used elsewhere" in why

@@ -63,6 +63,14 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.rowwise",
         ),
         Strategy(
+            "sdpa_attention",
+            "library",
+            "The forward spells attention out (softmax(q @ k^T * scale + bias) @ v): its own graph "
+            "runs with each such site replaced by scaled_dot_product_attention, which never writes "
+            "the score matrix to memory.",
+            module=f"{_PKG}.attention",
+        ),
+        Strategy(
             "torch_compile",
             "compiler",
             "The task's own module through torch.compile (Inductor, mode='default', dynamic=False).",
