@@ -9,7 +9,7 @@ import torch.nn.functional as F
 class Model(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
-        self.proj = nn.Conv2d(channels, channels, 1)
+        self.proj = nn.Conv2d(channels, channels, 1, dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(self.proj(x))

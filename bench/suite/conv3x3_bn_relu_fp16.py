@@ -8,8 +8,8 @@ import torch.nn as nn
 class Model(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(channels)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False, dtype=torch.float16)
+        self.bn = nn.BatchNorm2d(channels, dtype=torch.float16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.bn(self.conv(x)))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 class Model(nn.Module):
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
-        self.fc = nn.Linear(hidden, inner)
+        self.fc = nn.Linear(hidden, inner, dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.fc(x), approximate="tanh")

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 class Model(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden, intermediate, bias=False)
-        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.gate = nn.Linear(hidden, intermediate, bias=False, dtype=torch.float16)
+        self.up = nn.Linear(hidden, intermediate, bias=False, dtype=torch.float16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(self.gate(x)) * self.up(x)

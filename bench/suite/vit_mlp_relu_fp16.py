@@ -7,7 +7,7 @@ import torch.nn as nn
 class Model(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.fc = nn.Linear(dim, hidden)
+        self.fc = nn.Linear(dim, hidden, dtype=torch.float16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.fc(x))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kernelcrew.benchmark import geomean, row_from_report, suite_tasks
@@ -65,3 +67,22 @@ def test_unknown_task_names_and_empty_suites_are_clear_errors(tmp_path):
 def test_rows_and_geomean():
     assert row_from_report("t", None, 1.0)["verified"] is False
     assert geomean([2.0, 8.0]) == 4.0 and geomean([]) is None
+
+
+SUITE = Path(__file__).resolve().parents[2] / "bench" / "suite"
+
+
+@pytest.mark.parametrize("task", sorted(p.stem for p in SUITE.glob("*.py")))
+def test_every_suite_task_runs_on_its_test_inputs_in_its_own_dtypes(task):
+    """The reference of each suite task builds and runs on its test inputs as written (weights in
+    the inputs' dtype), so a GPU shard never loses a task to a task file's own error."""
+    import runpy
+
+    import torch
+
+    module = runpy.run_path(str(SUITE / f"{task}.py"))
+    model = module["Model"](*module["get_init_inputs"]()).eval()
+    for inputs in module["get_test_inputs"]():
+        with torch.no_grad():
+            out = model(*inputs)
+        assert torch.isfinite(out).all()
