@@ -196,3 +196,28 @@ def test_a_time_below_the_floor_is_measured_again(second_ms, confirmed):
     assert ("confirmed (" in out.flags[-1]) is confirmed
     normal = Candidate(id="c", strategy="s", source_kind="kernel", source="", time_ms=2.0)
     assert _check_floor(state, _Ctx(bench), normal).flags == [] and bench.calls == 1
+
+
+def test_hotspots_rank_kernels_and_leave_out_the_profilers_own_time():
+    """CUPTI's activity-buffer time and aten CPU rows are not the module's kernels: the shares are of
+    the kernels alone (the CUPTI row showed up among a LayerNorm's hotspots on the H100)."""
+    from types import SimpleNamespace
+
+    from kernelcrew.tools.harness import rank_hotspots
+
+    def evt(key, device_us, count=5):
+        return SimpleNamespace(key=key, self_device_time_total=device_us, count=count)
+
+    rows = rank_hotspots(
+        [
+            evt("layer_norm_kernel", 600.0),
+            evt("Activity Buffer Request", 130.0, 0),
+            evt("aten::add", 50.0),
+            evt("add_kernel", 200.0),
+        ],
+        on_gpu=True,
+        reps=5,
+    )
+    assert [r["name"] for r in rows] == ["layer_norm_kernel", "add_kernel"]
+    assert rows[0]["time_us"] == 120.0 and rows[0]["calls"] == 1
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-12
