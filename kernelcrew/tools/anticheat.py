@@ -100,6 +100,28 @@ BANNED_ATTRS = frozenset(
         "modules",  # sys.modules, importlib and friends
     }
 )
+#: PyTorch's process-wide operator tables: registering or overriding an operator (``torch.library``,
+#: a ``py_impl``, a dispatch or function mode, the raw ``torch._C`` bindings) changes what the eager
+#: reference runs in the timing process, so a candidate could slow the baseline it is measured
+#: against. Candidates call operators; they never redefine them.
+DISPATCH_ATTRS = frozenset(
+    {
+        "library",
+        "Library",
+        "custom_op",
+        "triton_op",
+        "register_kernel",
+        "register_fake",
+        "register_autograd",
+        "py_impl",
+        "load_library",
+        "_C",
+        "overrides",
+        "_python_dispatch",
+        "TorchDispatchMode",
+        "TorchFunctionMode",
+    }
+)
 ALLOWED_DUNDERS = frozenset({"__init__", "__name__", "__doc__", "__future__"})
 
 
@@ -132,7 +154,14 @@ class _StaticChecker(ast.NodeVisitor):
             self.flag(
                 "import", f"import of {module!r} is not allowed in a candidate (allowed: {allowed})", node
             )
+        elif top == "torch" and DISPATCH_ATTRS & set(module.split(".")):
+            self._flag_dispatch(module, node)
         return top
+
+    def _flag_dispatch(self, name: str, node: ast.AST) -> None:
+        self.flag(
+            "dispatch", f"{name!r} is not allowed: candidates may not register or override operators", node
+        )
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -157,6 +186,8 @@ class _StaticChecker(ast.NodeVisitor):
                 self.flag(
                     "stream", "extra CUDA streams are not allowed (work outside the timed stream)", node
                 )
+            if top == "torch" and alias.name in DISPATCH_ATTRS:
+                self._flag_dispatch(f"{module}.{alias.name}", node)
             self.module_aliases[alias.asname or alias.name] = f"{module}.{alias.name}"
         self.generic_visit(node)
 
@@ -193,6 +224,8 @@ class _StaticChecker(ast.NodeVisitor):
             self.flag("dunder", f"access to {attr!r} is not allowed in a candidate", node)
         elif attr in BANNED_ATTRS:
             self.flag("introspection", f"access to {attr!r} is not allowed (frames or module tables)", node)
+        elif attr in DISPATCH_ATTRS:
+            self._flag_dispatch(attr, node)
         root, parts = self._root(node)
         if root is not None and root in self.module_aliases and parts:
             module = self.module_aliases[root].split(".")[0]
@@ -211,7 +244,7 @@ class _StaticChecker(ast.NodeVisitor):
             name_arg = node.args[1] if len(node.args) > 1 else None
             if not (isinstance(name_arg, ast.Constant) and isinstance(name_arg.value, str)):
                 self.flag("dynamic-attr", f"{func.id}() with a computed attribute name is not allowed", node)
-            elif name_arg.value.startswith("__") or name_arg.value in BANNED_ATTRS:
+            elif name_arg.value.startswith("__") or name_arg.value in BANNED_ATTRS | DISPATCH_ATTRS:
                 self.flag("dynamic-attr", f"{func.id}(..., {name_arg.value!r}) is not allowed", node)
             if func.id == "setattr" and node.args:
                 root, _ = self._root(node.args[0])
