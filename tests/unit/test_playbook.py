@@ -661,3 +661,24 @@ def test_attention_whose_scores_are_needed_elsewhere_is_left_alone():
     assert "sdpa_attention" not in [s.name for s, _ in applicable(analysis)]
     why = playbook.rejected(analysis)["sdpa_attention"]
     assert "scaled by a tensor" in why or "used elsewhere" in why
+
+
+@pytest.mark.parametrize("name", ["linear_relu", "linear_gelu_tanh"])
+def test_linear_with_relu_or_tanh_gelu_gets_a_cublaslt_epilogue_candidate(name):
+    """On the CPU the candidate runs the unfused ops (cuBLASLt's GELU is the tanh form, the CPU's
+    _addmm_activation the exact one): it must verify there, as a library candidate."""
+    source = (FIXTURES / "tasks" / f"{name}.py").read_text()
+    analysis = local_analysis(source)
+    candidate = generate("cublaslt_epilogue", source, analysis)
+    assert "torch._addmm_activation" in candidate and "rows.is_cuda" in candidate
+    verdict = verify(source, candidate, device="cpu")
+    assert verdict.verdict == "pass", verdict.message
+    assert verdict.kind == "library"
+
+
+def test_exact_gelu_and_a_linear_output_used_twice_get_no_epilogue_candidate():
+    erf = (FIXTURES / "tasks" / "linear_gelu_tanh.py").read_text().replace(', approximate="tanh"', "")
+    why = playbook.rejected(local_analysis(erf))["cublaslt_epilogue"]
+    assert "exact (erf)" in why
+    twice = erf.replace("return F.gelu(self.fc(x))", "y = self.fc(x)\n        return torch.relu(y) + y")
+    assert "cublaslt_epilogue" in playbook.rejected(local_analysis(twice))

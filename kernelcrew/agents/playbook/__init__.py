@@ -71,6 +71,13 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.attention",
         ),
         Strategy(
+            "cublaslt_epilogue",
+            "library",
+            "A linear layer with bias followed by ReLU or tanh-GELU: one cuBLASLt GEMM applies the "
+            "bias and the activation in its epilogue (torch._addmm_activation), writing the output once.",
+            module=f"{_PKG}.epilogue",
+        ),
+        Strategy(
             "torch_compile",
             "compiler",
             "The task's own module through torch.compile (Inductor, mode='default', dynamic=False).",
