@@ -656,11 +656,32 @@ def get_init_inputs():
 """
 
 
-def test_attention_whose_scores_are_needed_elsewhere_is_left_alone():
-    analysis = local_analysis(ATTENTION_SCORES_KEPT)
+@pytest.mark.parametrize(
+    ("forward", "reason"),
+    [
+        (
+            "scores = q @ k.transpose(-2, -1)\n        return torch.softmax(scores * w, dim=-1) @ v, scores",
+            "tensor",
+        ),
+        (
+            "s = q @ k.transpose(-2, -1) * 0.5\n        return torch.softmax(s, dim=-1) @ v, s",
+            "used elsewhere",
+        ),
+        ("return torch.softmax(2.0 / (q @ k.transpose(-2, -1)), dim=-1) @ v", "no scale"),
+        ("return torch.softmax(q @ k.transpose(-2, -1) + (w > 0), dim=-1) @ v", "floating-point bias"),
+    ],
+    ids=["scaled-by-tensor", "scores-reused", "constant-over-scores", "boolean-added"],
+)
+def test_what_is_not_an_attention_is_left_alone(forward, reason):
+    """Softmax-of-matmul graphs that SDPA would change: a tensor scale, a constant divided by the
+    scores, a boolean added as if it were a bias."""
+    source = ATTENTION_SCORES_KEPT.replace(
+        "scores = q @ k.transpose(-2, -1)\n        return torch.softmax(scores * w, dim=-1) @ v, scores",
+        forward,
+    )
+    analysis = local_analysis(source)
     assert "sdpa_attention" not in [s.name for s, _ in applicable(analysis)]
-    why = playbook.rejected(analysis)["sdpa_attention"]
-    assert "scaled by a tensor" in why or "used elsewhere" in why
+    assert reason in playbook.rejected(analysis)["sdpa_attention"]
 
 
 @pytest.mark.parametrize("name", ["linear_relu", "linear_gelu_tanh"])

@@ -43,6 +43,14 @@ def _ref(value: Any) -> str | None:
     return value.get("ref") if isinstance(value, dict) else None
 
 
+def _node(a: TaskAnalysis, name: str | None) -> dict[str, Any]:
+    """The node called ``name``, or an empty record for a constant or a missing name."""
+    try:
+        return a.node(name) if name else {}
+    except KeyError:
+        return {}
+
+
 def _arg(node: dict[str, Any], index: int, name: str) -> Any:
     args = node.get("args") or []
     return args[index] if len(args) > index else (node.get("kwargs") or {}).get(name)
@@ -50,21 +58,23 @@ def _arg(node: dict[str, Any], index: int, name: str) -> Any:
 
 def _site(a: TaskAnalysis, out: dict[str, Any]) -> dict[str, Any]:
     """The rewrite of the attention ending at ``out`` (``matmul(P, V)``); ``Unsupported`` if it is none."""
-    probs = a.node(_ref(_arg(out, 0, "input")) or "")
+    probs = _node(a, _ref(_arg(out, 0, "input")))
     if probs.get("op") != "softmax":
         raise Unsupported(f"{out['name']}: not a softmax times a value matrix")
     rank = len(probs.get("shape") or [])
     if _arg(probs, 1, "dim") not in (-1, rank - 1) or rank < 3:
         raise Unsupported(f"{probs['name']}: softmax over another dim than the keys'")
     chain = [probs["name"]]
-    x = a.node(_ref(_arg(probs, 0, "input")) or "")
+    x = _node(a, _ref(_arg(probs, 0, "input")))
     site: dict[str, Any] = {"out": out["name"], "v": _ref(_arg(out, 1, "other")), "bias": None, "mask": None}
     if x.get("op") == "add":
         left, right = (_ref(v) for v in x["args"][:2])
-        scores_side = left if a.node(left or "").get("op") in ("matmul", "mul", "div") else right
+        scores_side = left if _node(a, left).get("op") in ("matmul", "mul", "div") else right
         site["bias"] = right if scores_side == left else left
+        if not str(_node(a, site["bias"]).get("dtype") or "").startswith(("float", "bfloat")):
+            raise Unsupported(f"{x['name']}: the scores get something else than a floating-point bias")
         chain.append(x["name"])
-        x = a.node(scores_side or "")
+        x = _node(a, scores_side)
     elif x.get("op") == "masked_fill":
         value = _arg(x, 2, "value")
         if isinstance(value, dict) and "float" in value:  # how the analysis spells non-finite floats
@@ -72,30 +82,36 @@ def _site(a: TaskAnalysis, out: dict[str, Any]) -> dict[str, Any]:
         if not (isinstance(value, float) and math.isinf(value) and value < 0):
             raise Unsupported(f"{x['name']}: masked_fill with {value!r}, not -inf")
         site["mask"] = _ref(_arg(x, 1, "mask"))
+        if _node(a, site["mask"]).get("dtype") != "bool":
+            raise Unsupported(f"{x['name']}: the mask is not a boolean tensor of the graph")
         chain.append(x["name"])
-        x = a.node(_ref(x["args"][0]) or "")
+        x = _node(a, _ref(x["args"][0]))
     site["scale"] = 1.0
     if x.get("op") in ("mul", "div"):
         first, second = x["args"][:2]
         number = second if _ref(first) else first
         if not isinstance(number, int | float) or not (_ref(first) or _ref(second)):
             raise Unsupported(f"{x['name']}: the scores are scaled by a tensor, not a constant")
+        if x["op"] == "div" and not _ref(first):
+            raise Unsupported(f"{x['name']}: a constant divided by the scores is no scale")
         site["scale"] = float(number) if x["op"] == "mul" else 1.0 / float(number)
         chain.append(x["name"])
-        x = a.node(_ref(first) or _ref(second) or "")
+        x = _node(a, _ref(first) or _ref(second))
     if x.get("op") != "matmul":
         raise Unsupported(f"{probs['name']}: its input is not q @ k^T")
-    keys_t = a.node(_ref(x["args"][1]) or "")
+    keys_t = _node(a, _ref(x["args"][1]))
     dims = sorted(d % rank for d in (keys_t.get("args") or [None, 0, 0])[1:3] if isinstance(d, int))
     if keys_t.get("op") != "transpose" or dims != [rank - 2, rank - 1]:
         raise Unsupported(f"{x['name']}: the keys are not transposed in their last two dims")
     chain += [x["name"], keys_t["name"]]
     site.update(q=_ref(x["args"][0]), k=_ref(keys_t["args"][0]))
+    if not (site["q"] and site["k"] and site["v"]):
+        raise Unsupported("q, k and v must all be tensors of the graph")
     for name in chain:  # every removed node feeds only the next one on the path
         if len(a.users(name)) != 1:
             raise Unsupported(f"{name} is used elsewhere too: the scores cannot be dropped")
-    shapes = [a.node(site[k]).get("shape") or [] for k in ("q", "k", "v")]
-    if len({len(s) for s in shapes}) != 1 or shapes[0][-1] != shapes[1][-1]:
+    shapes = [_node(a, site[k]).get("shape") or [] for k in ("q", "k", "v")]
+    if not all(shapes) or len({len(s) for s in shapes}) != 1 or shapes[0][-1] != shapes[1][-1]:
         raise Unsupported("q, k and v do not have the shapes of one attention")
     site["removed"] = chain
     return site
@@ -113,6 +129,8 @@ def match(analysis: TaskAnalysis) -> tuple[AttentionPlan | None, str]:
             sites.append(_site(analysis, node))
         except Unsupported as exc:
             reasons.append(str(exc))
+        except (LookupError, TypeError, ValueError) as exc:  # a graph of another shape than expected
+            reasons.append(f"{node['name']}: not an attention ({type(exc).__name__}: {exc})")
     if not sites:
         return None, "no softmax(q @ k^T ...) @ v in the forward" + (f" ({reasons[-1]})" if reasons else "")
     masks = ", ".join(

@@ -86,6 +86,8 @@ def match(analysis: TaskAnalysis) -> tuple[EpiloguePlan | None, str]:
         plan = _match(analysis)
     except Unsupported as exc:
         return None, str(exc)
+    except (LookupError, TypeError, ValueError) as exc:  # a graph of another shape than expected
+        return None, f"not a linear layer and its activation ({type(exc).__name__}: {exc})"
     act = "ReLU" if plan.activation == "relu" else "tanh-GELU"
     return plan, (
         f"the forward is a linear layer with bias and {act}: cuBLASLt applies both in the GEMM's "
