@@ -417,6 +417,40 @@ def wrapper(log_file: Path, *, clock_control: str = "none", kernel_filter: str =
     return tuple(cmd)
 
 
+def _run_under_ncu(
+    target: str,
+    payload: dict[str, Any],
+    workdir: Path,
+    *,
+    wall_s: float,
+    clock_control: str,
+    settings: Settings,
+    kernel_filter: str = "",
+    env: dict[str, str] | None = None,
+    writable: tuple[str, ...] = (),
+) -> tuple[Any, str, bool]:
+    """Run the sandbox ``target`` under ncu, its CSV written in the child's own directory.
+
+    Returns the sandbox result, the CSV text ("" when ncu wrote none) and whether ncu was refused
+    the hardware counters (ERR_NVGPUCTRPERM, in the CSV or in the child's output).
+    """
+    from kernelcrew.tools import sandbox
+
+    log_file = workdir / "child" / "ncu.csv"
+    res = sandbox.run(
+        target,
+        payload,
+        limits=replace(sandbox.SandboxLimits.from_settings(settings), wall_s=wall_s),
+        workdir=workdir,
+        env=env,
+        settings=settings,
+        writable=writable,
+        wrapper=wrapper(log_file, clock_control=clock_control, kernel_filter=kernel_filter),
+    )
+    text = log_file.read_text(errors="replace") if log_file.exists() else ""
+    return res, text, bool(_PERMISSION.search(text) or _PERMISSION.search(res.output_tail))
+
+
 def profile(
     golden: Any,
     candidate_source: str | None = None,
@@ -447,9 +481,9 @@ def profile(
         return {"available": False, "reason": "ncu (Nsight Compute) is not installed on this machine"}
     clock = clock_control or s.ncu_clock_control
     workdir = sandbox.make_workdir("kc-ncu-")
+    wall_s = float(timeout_s or s.ncu_timeout_s)
     try:
         share_inputs(golden, workdir, s)
-        log_file = workdir / "child" / "ncu.csv"
         payload = {
             "task_source": golden.task_source,
             "task_path": golden.task_path,
@@ -460,30 +494,27 @@ def profile(
             "seed": golden.seed,
             "calls": int(calls),
         }
-        env = child_env(golden.device, candidate_source) if candidate_source else {}
-        limits = replace(sandbox.SandboxLimits.from_settings(s), wall_s=float(timeout_s or s.ncu_timeout_s))
-        writable = (cache_dirs(candidate_source)["root"],) if candidate_source else ()
-        res = sandbox.run(
+        res, text, denied = _run_under_ncu(
             "kernelcrew.tools.harness:ncu_child",
             payload,
-            limits=limits,
-            workdir=workdir,
-            env=env,
+            workdir,
+            wall_s=wall_s,
+            clock_control=clock,
             settings=s,
-            writable=writable,
-            wrapper=wrapper(log_file, clock_control=clock, kernel_filter=kernel_filter),
+            kernel_filter=kernel_filter,
+            env=child_env(golden.device, candidate_source) if candidate_source else {},
+            writable=(cache_dirs(candidate_source)["root"],) if candidate_source else (),
         )
-        text = log_file.read_text(errors="replace") if log_file.exists() else ""
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if _PERMISSION.search(text) or _PERMISSION.search(res.output_tail):
+    if denied:
         return {
             "available": False,
             "reason": "ncu cannot read the GPU performance counters here (ERR_NVGPUCTRPERM: the driver "
             "restricts them to administrators, or the container hides them)",
         }
     if res.status == "timeout":
-        return {"available": False, "reason": f"ncu timed out after {limits.wall_s:g} s"}
+        return {"available": False, "reason": f"ncu timed out after {wall_s:g} s"}
     if not res.ok:
         return {"available": False, "reason": f"the profiled run failed: {res.message}"}
     try:
@@ -535,21 +566,18 @@ def capability(timeout_s: float = 180.0, visible_device: str | None = None) -> d
     env = {"CUDA_VISIBLE_DEVICES": visible_device} if visible_device is not None else None
     workdir = sandbox.make_workdir("kc-ncu-probe-")
     try:
-        log_file = workdir / "child" / "ncu.csv"
-        limits = replace(sandbox.SandboxLimits.from_settings(s), wall_s=timeout_s)
-        res = sandbox.run(
+        res, text, denied = _run_under_ncu(
             "kernelcrew.tools.ncu:probe_child",
             {},
-            limits=limits,
-            workdir=workdir,
-            env=env,
+            workdir,
+            wall_s=timeout_s,
+            clock_control=s.ncu_clock_control,
             settings=s,
-            wrapper=wrapper(log_file, clock_control=s.ncu_clock_control),
+            env=env,
         )
-        text = log_file.read_text(errors="replace") if log_file.exists() else ""
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if _PERMISSION.search(text) or _PERMISSION.search(res.output_tail):
+    if denied:
         return {
             "available": False,
             "version": version,
