@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
-from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, reference_source
-from kernelcrew.tools.anticheat import static_check
+from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, checked_copy, reference_source
 
 
 @dataclass(frozen=True)
@@ -159,11 +158,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AttentionPlan, para
     source = TEMPLATE.format(
         reference=reference, name=REFERENCE_NAME, sites=sites, signature=signature, call=call
     )
-    findings = static_check(source)
-    if findings:
-        first = findings[0]
-        raise ValueError(f"the copied reference breaks a candidate rule: {first.message} (line {first.line})")
-    return source
+    return checked_copy(source)
 
 
 def _forward_signature(task_source: str) -> tuple[str, str]:

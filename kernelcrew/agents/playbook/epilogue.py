@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
-from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, reference_source
-from kernelcrew.tools.anticheat import static_check
+from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, checked_copy, reference_source
 
 DTYPES = frozenset({"float16", "bfloat16", "float32"})
 
@@ -120,11 +119,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: EpiloguePlan, param
         use_gelu=plan.activation == "gelu_tanh",
         unfused=unfused,
     )
-    findings = static_check(source)
-    if findings:
-        first = findings[0]
-        raise ValueError(f"the copied reference breaks a candidate rule: {first.message} (line {first.line})")
-    return source
+    return checked_copy(source)
 
 
 TEMPLATE = '''"""cuBLASLt epilogue (kernelcrew playbook): the linear layer's bias and activation applied inside
