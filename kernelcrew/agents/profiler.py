@@ -143,17 +143,10 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
 
 def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candidate:
     """``cand`` with its time and speedup over eager (or failed, if a timed output was wrong)."""
-    bench = ctx.executor.benchmark(
-        ctx.request(state, candidates={cand.id: cand.source}, compile_modes=[], quick=state.options.quick)
-    )
+    bench = _benchmark(state, ctx, cand)
     timed = Candidate(**{**cand.__dict__})
     if bench.get("failure"):
-        timed.verdict, timed.stage, timed.message = (
-            "fail",
-            bench["failure"]["stage"],
-            bench["failure"]["message"],
-        )
-        timed.failures = [bench["failure"], *timed.failures]
+        _fail(timed, bench["failure"])
         ctx.emit("timing", candidate=cand.id, verdict="fail", message=timed.message)
         return timed
     res = bench.get("results", {}).get(cand.id, {})
@@ -183,6 +176,20 @@ def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candi
     return timed
 
 
+def _benchmark(state: CrewState, ctx: CrewContext, cand: Candidate) -> dict[str, Any]:
+    """One timing run of ``cand`` against eager (no compile baselines)."""
+    return ctx.executor.benchmark(
+        ctx.request(state, candidates={cand.id: cand.source}, compile_modes=[], quick=state.options.quick)
+    )
+
+
+def _fail(timed: Candidate, failure: dict[str, Any]) -> Candidate:
+    """``timed`` marked failed by a timing run's ``failure`` (first in its list of failures)."""
+    timed.verdict, timed.stage, timed.message = "fail", failure["stage"], failure["message"]
+    timed.failures = [failure, *timed.failures]
+    return timed
+
+
 def _check_floor(state: CrewState, ctx: CrewContext, timed: Candidate) -> Candidate:
     """Fraction of speed of light, and the suspect rule: a time under ``suspect_floor_ratio`` x the
     floor is faster than the hardware allows, so it is measured a second time; it counts only if the
@@ -193,9 +200,7 @@ def _check_floor(state: CrewState, ctx: CrewContext, timed: Candidate) -> Candid
     if not is_suspect(floor_ms, timed.time_ms, ratio):
         return timed
     first = timed.time_ms
-    again = ctx.executor.benchmark(
-        ctx.request(state, candidates={timed.id: timed.source}, compile_modes=[], quick=state.options.quick)
-    )
+    again = _benchmark(state, ctx, timed)
     second = again.get("results", {}).get(timed.id, {}).get("median_ms")
     ratio_again = again.get("ratios", {}).get(timed.id, {})
     note = (
@@ -206,13 +211,7 @@ def _check_floor(state: CrewState, ctx: CrewContext, timed: Candidate) -> Candid
         # Not confirmed: the second measurement (or its failure) is what counts.
         timed.flags = [*timed.flags, note + ": not confirmed, first timing discarded"]
         if again.get("failure"):
-            timed.verdict, timed.stage, timed.message = (
-                "fail",
-                again["failure"]["stage"],
-                again["failure"]["message"],
-            )
-            timed.failures = [again["failure"], *timed.failures]
-            return timed
+            return _fail(timed, again["failure"])
         timed.time_ms, timed.speedup_eager = second, ratio_again.get("median")
         timed.significant = bool(ratio_again.get("significant"))
         timed.sol_fraction = sol_fraction(floor_ms, second)
