@@ -29,6 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILE_MODES = "default"  # the torch.compile baseline; max-autotune adds a minute per run
 
 
+def own_data_env(data_dir: Path) -> dict[str, str]:
+    """This environment with ``data_dir`` as kernelcrew's data directory and its SQLite knowledge
+    base: nothing shared with other runs."""
+    env = {**os.environ, "KERNELCREW_DATA_DIR": str(data_dir)}
+    env.pop("KERNELCREW_DATABASE_URL", None)
+    return env
+
+
 def optimize(
     task: str,
     data_dir: Path,
@@ -51,8 +59,7 @@ def optimize(
     cmd += ["--compile-modes", COMPILE_MODES]
     cmd += [] if use_kb else ["--no-kb"]
     cmd += ["--patience", str(patience)] if patience else []
-    env = {**os.environ, "KERNELCREW_DATA_DIR": str(data_dir)}
-    env.pop("KERNELCREW_DATABASE_URL", None)  # the SQLite file in data_dir: nothing shared with other runs
+    env = own_data_env(data_dir)
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     wall = round(time.monotonic() - started, 1)
@@ -120,9 +127,9 @@ RUNS = {
 
 def kb_cli(data_dir: Path, *args: str) -> None:
     """``kernelcrew kb ...`` on the knowledge base in ``data_dir`` (raises on failure)."""
-    env = {**os.environ, "KERNELCREW_DATA_DIR": str(data_dir)}
-    env.pop("KERNELCREW_DATABASE_URL", None)
-    subprocess.run([sys.executable, "-m", "kernelcrew", "kb", *args], cwd=ROOT, env=env, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "kernelcrew", "kb", *args], cwd=ROOT, env=own_data_env(data_dir), check=True
+    )
 
 
 def main() -> None:
