@@ -16,7 +16,9 @@ that start on a fresh database at once both end at head, one after the other.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -83,7 +85,7 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         if parsed.database and parsed.database != ":memory:":
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor)
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
 
@@ -92,6 +94,28 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _enable_wal(cursor: Any) -> None:
+    """Switch the database file to WAL mode, waiting out other connections doing the same.
+
+    The switch needs the exclusive lock. When two connections to a fresh file try it at once, each
+    holds a shared lock and wants the other's gone, and SQLite answers one of them "database is
+    locked" at once, without calling the busy handler (it would deadlock). Retry that until the
+    busy timeout: the other connection finishes its switch and this one finds the file in WAL.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    delay = 0.005
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 def alembic_config(connection: Any = None) -> Any:
