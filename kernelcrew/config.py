@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     replay_file: str = Field("", description='JSON file {"responses": [...]} for the replay backend.')
 
     # Storage (kernelcrew/knowledge_base/db.py): the knowledge base now, the service's tables later.
+    kb_embedding_model: str = Field(
+        "",
+        description="Embedding model that blends with BM25 in knowledge-base retrieval (OpenAI API, or the "
+        "OpenAI-compatible server at llm_base_url); empty: BM25 only.",
+    )
     database_url: str = Field(
         "",
         description="SQLAlchemy URL (postgresql://user@host/db); empty: SQLite file data_dir/kernelcrew.db.",

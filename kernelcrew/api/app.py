@@ -428,13 +428,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         k: Annotated[int, Query(ge=1, le=100)] = 10,
     ) -> dict[str, Any]:
         from kernelcrew.knowledge_base import KnowledgeBase, Reader
+        from kernelcrew.knowledge_base.embeddings import Embedder
         from kernelcrew.knowledge_base.seeds import ensure_seeds
 
         if not seeded:
             with transaction(engine) as session:
                 ensure_seeds(session)
             seeded.append(True)
-        kb = KnowledgeBase(engine, Reader(who.user, who.team))
+        kb = KnowledgeBase(engine, Reader(who.user, who.team), embedder=Embedder.from_settings(s))
         try:
             return {"items": kb.search(q, arch=arch, gpu_model=gpu_model, k=k)}
         except ValueError as exc:  # an architecture that is not sm_XY or cpu

@@ -12,8 +12,7 @@ length avgdl over N documents of which n(t) contain t::
                   idf(t) * f(t, d) * (k1 + 1) / (f(t, d) + k1 * (1 - b + b * |d| / avgdl))
     idf(t)      = ln(1 + (N - n(t) + 0.5) / (n(t) + 0.5))     (never negative)
 
-with the usual k1 = 1.5, b = 0.75. Embeddings are not built (an optional ranking behind a setting,
-left for later).
+with the usual k1 = 1.5, b = 0.75. An embedding model can be blended in (:mod:`.embeddings`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.knowledge_base import retrieval, store
 from kernelcrew.knowledge_base.db import DatabaseError, get_engine, safe_url, transaction
+from kernelcrew.knowledge_base.embeddings import Embedder
 from kernelcrew.knowledge_base.models import Reader, scope_of
 from kernelcrew.knowledge_base.patterns import TaskSignature
 from kernelcrew.knowledge_base.schemas import WinIn
@@ -40,11 +41,14 @@ def local_owner(settings: Settings) -> str:
 class KnowledgeBase:
     """Verified wins and seeds, read and written as ``reader``; new wins get ``visibility``."""
 
-    def __init__(self, engine: Engine, reader: Reader, *, visibility: str = "private") -> None:
+    def __init__(
+        self, engine: Engine, reader: Reader, *, visibility: str = "private", embedder: Embedder | None = None
+    ) -> None:
         scope_of(reader.owner, visibility, reader.team)  # a team visibility needs the reader's team
         self.engine = engine
         self.reader = reader
         self.visibility = visibility
+        self.embedder = embedder
 
     @classmethod
     def open(
@@ -58,7 +62,7 @@ class KnowledgeBase:
         """The configured database (migrated, seeds loaded) for ``owner`` (default: :func:`local_owner`)."""
         s = settings or get_settings()
         reader = Reader(owner or local_owner(s), team if team is not None else (s.kb_team.strip() or None))
-        kb = cls(get_engine(s), reader, visibility=visibility)
+        kb = cls(get_engine(s), reader, visibility=visibility, embedder=Embedder.from_settings(s))
         with kb._session() as session:
             ensure_seeds(session)
         return kb
@@ -82,7 +86,9 @@ class KnowledgeBase:
     ) -> list[dict[str, Any]]:
         """:func:`kernelcrew.knowledge_base.retrieval.hits_for_task` as this handle's reader."""
         with self._session() as session:
-            return retrieval.hits_for_task(session, task, gpu_model, arch, self.reader, k=k)
+            return retrieval.hits_for_task(
+                session, task, gpu_model, arch, self.reader, k=k, embedder=self.embedder
+            )
 
     def record_win(self, win: WinIn | Mapping[str, Any], *, verdict: Mapping[str, Any]) -> store.AddResult:
         """Store a verified win owned by this reader (:func:`kernelcrew.knowledge_base.store.add_win`)."""
@@ -100,7 +106,9 @@ class KnowledgeBase:
         self, query: str, *, arch: str | None = None, gpu_model: str | None = None, k: int = 10
     ) -> list[dict[str, Any]]:
         with self._session() as session:
-            return retrieval.search(session, query, self.reader, arch=arch, gpu_model=gpu_model, k=k)
+            return retrieval.search(
+                session, query, self.reader, arch=arch, gpu_model=gpu_model, k=k, embedder=self.embedder
+            )
 
     def get(self, win_id: uuid.UUID | str) -> dict[str, Any] | None:
         """One record with its source, or None when it does not exist or this reader may not see it."""

@@ -17,7 +17,8 @@ signature comes first, then the BM25 similarity (:mod:`.bm25`) of the record's s
 strategy, tags and description to the task's signature.
 
 :func:`search` answers free text (``kernelcrew kb search``): BM25 over every visible record,
-tiered by ``--gpu``/``--arch`` when given (``similarity`` otherwise).
+tiered by ``--gpu``/``--arch`` when given (``similarity`` otherwise). With an embedding model
+configured (:mod:`.embeddings`), both blend BM25 with the model's cosine similarity.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, defer
 
 from kernelcrew.knowledge_base.bm25 import BM25, tokenize
+from kernelcrew.knowledge_base.embeddings import Embedder
 from kernelcrew.knowledge_base.models import Reader, Win, visible_to
 from kernelcrew.knowledge_base.patterns import TaskSignature, from_analysis, from_text
 
@@ -89,11 +91,11 @@ def _reader(owner: str | Reader, team: str | None) -> Reader:
     return owner if isinstance(owner, Reader) else Reader(owner, team)
 
 
-def _document(row: Win) -> list[str]:
-    text = " ".join(
+def _text(row: Win) -> str:
+    """What a record is ranked by: its signature, strategy, tags, pattern kinds and description."""
+    return " ".join(
         [row.signature, row.strategy, " ".join(row.tags), " ".join(row.pattern_kinds), row.description]
     )
-    return tokenize(text)
 
 
 def _candidates(session: Session, reader: Reader, device: str | None) -> list[Win]:
@@ -184,12 +186,14 @@ def hits_for_task(
     *,
     team: str | None = None,
     k: int = 5,
+    embedder: Embedder | None = None,
 ) -> list[dict[str, Any]]:
     """The ``k`` records that matter most for ``task`` on (``gpu_model``, ``arch``), as ``owner`` sees them.
 
     ``task`` is the playbook's analysis dict, a signature line or a :class:`TaskSignature`. Each hit
     is a dict with the record's fields (no source code) plus ``match`` (exact_model, arch,
-    nearest_arch), ``why`` (one sentence), ``score`` (BM25) and ``exact_signature``.
+    nearest_arch), ``why`` (one sentence), ``score`` (BM25, or its blend with an ``embedder``'s
+    cosine similarity: :mod:`.embeddings`) and ``exact_signature``.
     """
     reader = _reader(owner, team)
     sig = task_signature(task)
@@ -197,7 +201,10 @@ def hits_for_task(
     rows = _candidates(session, reader, "cpu" if arch == "cpu" else "gpu")
     if not rows or k <= 0:
         return []
-    scores = BM25([_document(r) for r in rows]).scores(tokenize(f"{sig.text} {sig.kind}"))
+    query = f"{sig.text} {sig.kind}"
+    texts = [_text(r) for r in rows]
+    bm25 = BM25([tokenize(t) for t in texts]).scores(tokenize(query))
+    scores, label = _similarity(embedder, query, texts, bm25)
     seed_arch = _seed_arch(rows, arch)
     ranked = []
     for row, score in zip(rows, scores, strict=True):
@@ -211,7 +218,7 @@ def hits_for_task(
         level, distance, match, why = tier
         if row.clock == "cpu-wall":
             why += "; CPU wall-clock timing, not a GPU speedup"
-        why += "; same signature" if exact else (f"; similarity {score:.2f}" if score > 0 else "")
+        why += "; same signature" if exact else (f"; {label} {score:.2f}" if score > 0 else "")
         generic = sig.kind not in kinds  # an "any" record: after the ones for this kind
         older = arch_number(row.arch) or 0  # at equal distance, the older architecture first
         key = (
@@ -237,8 +244,10 @@ def search(
     arch: str | None = None,
     gpu_model: str | None = None,
     k: int = 10,
+    embedder: Embedder | None = None,
 ) -> list[dict[str, Any]]:
-    """Free-text search: BM25 over what ``reader`` sees, tiered by GPU model / architecture when given."""
+    """Free-text search: BM25 (blended with an ``embedder``'s similarity when given) over what
+    ``reader`` sees, tiered by GPU model / architecture when given."""
     target = normalize_arch(arch) if arch else None
     device = (
         None
@@ -250,27 +259,43 @@ def search(
         return []
     seed_arch = _seed_arch(rows, target) if target else None
     terms = tokenize(query)
-    scores = BM25([_document(r) for r in rows]).scores(terms)
+    texts = [_text(r) for r in rows]
+    scores, label = _similarity(embedder, query, texts, BM25([tokenize(t) for t in texts]).scores(terms))
     ranked = []
     for row, score in zip(rows, scores, strict=True):
         if terms and score <= 0:
             continue
         if target is None and gpu_model is None:
-            tier: tuple[int, int, str, str] | None = (0, 0, "similarity", f"similarity {score:.2f}")
+            tier: tuple[int, int, str, str] | None = (0, 0, "similarity", f"{label} {score:.2f}")
         elif target is None:
             tier = (
                 (0, 0, "exact_model", f"on {gpu_model}")
                 if row.gpu_model == gpu_model
-                else (1, 0, "similarity", f"similarity {score:.2f} (other GPU model)")
+                else (1, 0, "similarity", f"{label} {score:.2f} (other GPU model)")
             )
         else:
             tier = _tier(row, gpu_model, target, seed_arch)
+            if tier is not None and score > 0:
+                tier = (*tier[:3], f"{tier[3]}; {label} {score:.2f}")
         if tier is None:
             continue
         level, distance, match, why = tier
         ranked.append(((row.source == "seed", level, distance, -score), _hit(row, match, why, score, False)))
     ranked.sort(key=lambda item: item[0])
     return [hit for _, hit in ranked[:k]]
+
+
+def _similarity(
+    embedder: Embedder | None, query: str, texts: list[str], bm25: list[float]
+) -> tuple[list[float], str]:
+    """Each record's similarity to the query and how it is labelled in a hit's ``why``: BM25, or
+    its blend with the embedder's (BM25 alone, saying why, when the model fails)."""
+    if embedder is None:
+        return bm25, "similarity"
+    blended, error = embedder.blend(query, texts, bm25)
+    if blended is None:
+        return bm25, f"similarity (BM25 only: embeddings failed, {error[:120]})"
+    return blended, f"similarity (BM25 + {embedder.model})"
 
 
 def hit_line(hit: Mapping[str, Any]) -> str:

@@ -294,13 +294,16 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
 
     def knowledge_base(viewer: Viewer) -> Any:
         from kernelcrew.knowledge_base import KnowledgeBase, Reader
+        from kernelcrew.knowledge_base.embeddings import Embedder
         from kernelcrew.knowledge_base.seeds import ensure_seeds
 
         if not seeded:
             with transaction(engine) as session:
                 ensure_seeds(session)
             seeded.append(True)
-        return KnowledgeBase(engine, Reader(viewer.who.user, viewer.who.team))
+        return KnowledgeBase(
+            engine, Reader(viewer.who.user, viewer.who.team), embedder=Embedder.from_settings(settings)
+        )
 
     @router.get("/workers", response_class=HTMLResponse)
     def read_workers(request: Request) -> Response:
