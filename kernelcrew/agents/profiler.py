@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -24,21 +25,33 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
     started = state.started_at or time.time()
     ctx.emit("node", node="profile_baseline", message="timing the reference and ranking its kernels")
     on_gpu = opts.device.startswith("cuda")
-    hot = ctx.executor.profile(ctx.request(state, ncu=on_gpu))
-    bench = ctx.executor.benchmark(
-        ctx.request(state, candidates={}, compile_modes=list(opts.compile_modes), quick=opts.quick)
-    )
-    if bench.get("failure"):
-        raise TaskError(f"timing the reference failed: {bench['failure']['message']}", path=state.task_path)
+    with ThreadPoolExecutor(1, thread_name_prefix="analysis") as pool:
+        # The graph analysis is a CPU child: it runs while the GPU children time and profile.
+        analysing = pool.submit(_analyze, state, ctx) if ctx.analyze is not None else None
+        # One child times eager and torch.compile, then ranks the reference's kernels (hotspots).
+        bench = ctx.executor.benchmark(
+            ctx.request(
+                state, candidates={}, compile_modes=list(opts.compile_modes), quick=opts.quick, hotspots=True
+            )
+        )
+        if bench.get("failure"):
+            raise TaskError(
+                f"timing the reference failed: {bench['failure']['message']}", path=state.task_path
+            )
+        ranked = bench.get("profile") or {}
+        hot = {
+            **ranked,
+            **ctx.executor.profile(ctx.request(state, ncu=on_gpu, hotspots=False, work=ranked.get("work"))),
+        }
+        clock = time.monotonic()
+        analysis, analysis_error = analysing.result() if analysing is not None else ({}, "")
+    # Where the baseline's wall time went: the executor's account, then the wait for the analysis.
+    phase_s = {**(bench.get("phase_s") or {}), **{k: v for k, v in (hot.get("phase_s") or {}).items() if v}}
+    phase_s["analysis_wait"] = round(time.monotonic() - clock, 2)
+    if analysis_error:
+        ctx.emit("error", node="profile_baseline", message=f"graph analysis failed: {analysis_error}")
     results = bench.get("results", {})
     compiled = compile_medians(bench)
-    analysis: dict[str, Any] = {}
-    if ctx.analyze is not None:
-        try:
-            analysis = ctx.analyze(state.task_source, state.task_path, opts.seed).to_dict()
-        except TaskError as exc:  # the graph analysis is a help, not a requirement: say why it is missing
-            analysis = {"traced": False, "trace_error": str(exc)}
-            ctx.emit("error", node="profile_baseline", message=f"graph analysis failed: {exc}")
     baseline = {
         "clock": bench.get("clock"),
         "eager_ms": results.get("eager", {}).get("median_ms"),
@@ -57,6 +70,10 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         "floor": hot.get("floor"),
         "ncu": hot.get("ncu") or {"available": False, "reason": "not asked for (CPU run)"},
         "analysis": analysis,
+        "phase_s": phase_s,
+        "golden_phase_s": bench.get("golden_phase_s"),  # the golden child's own phases, when it ran
+        # How the reference's timing loop ended (max_reps, stable, time_budget) and how long it ran.
+        "timing_run": {k: bench.get(k) for k in ("rounds", "stop_reason", "elapsed_s")},
     }
     floor_ms = (baseline["floor"] or {}).get("floor_ms")
     baseline["sol_fraction"] = sol_fractions(floor_ms, baseline["eager_ms"], compiled)
@@ -73,6 +90,15 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         ncu=baseline["ncu"].get("available"),
     )
     return update
+
+
+def _analyze(state: CrewState, ctx: CrewContext) -> tuple[dict[str, Any], str]:
+    """``(analysis, error)``: the graph analysis is a help, not a requirement, so a failure is an
+    analysis that says why it is missing, and the error to report."""
+    try:
+        return ctx.analyze(state.task_source, state.task_path, state.options.seed).to_dict(), ""
+    except TaskError as exc:
+        return {"traced": False, "trace_error": str(exc)}, str(exc)
 
 
 def diagnose(baseline: dict[str, Any], best: Candidate | None = None) -> str:

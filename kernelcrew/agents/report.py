@@ -110,6 +110,9 @@ def build_report(state: CrewState, final: dict[str, Any], ctx: CrewContext) -> d
             "compile_ms": base.get("compile_ms"),
             "compile_s": base.get("compile_s"),
             "hotspots": base.get("hotspots", [])[:5],
+            "phase_s": base.get("phase_s"),
+            "golden_phase_s": base.get("golden_phase_s"),
+            "timing_run": base.get("timing_run"),
         },
         "best": None
         if best is None
@@ -300,10 +303,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"LLM usage: {usage.get('calls', 0)} calls, {usage.get('input_tokens', 0)} input and "
         f"{usage.get('output_tokens', 0)} output tokens, cost {usage.get('cost_usd', 'n/a')}.",
-        f"Wall time: {report['elapsed_s']} s. Reproduce: `{report['reproduce']}`",
+        f"Wall time: {report['elapsed_s']} s{_phase_text(base.get('phase_s') or {})}. "
+        f"Reproduce: `{report['reproduce']}`",
         "",
     ]
     return "\n".join(lines)
+
+
+def _phase_text(phase_s: dict[str, float]) -> str:
+    """Where the baseline's seconds went, for the wall-time line."""
+    if not phase_s:
+        return ""
+    return " (baseline: " + ", ".join(f"{k} {v:g} s" for k, v in phase_s.items()) + ")"
 
 
 def _knowledge_lines(kb: dict[str, Any]) -> list[str]:

@@ -459,6 +459,7 @@ def make_golden(
     path.chmod(0o700)
     meta = dict(res.value or {})
     meta["isolation"] = res.isolation
+    meta.setdefault("phase_s", {})["child_wall"] = res.wall_s  # the rest of child_wall is its start
     return Golden(path, seed, device, precision, task_source, task_path, meta, notes)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.task import TaskError
 from kernelcrew.tools import sandbox
+from kernelcrew.tools.harness import Laps
 
 
 class ExecutorError(RuntimeError):
@@ -37,15 +38,17 @@ class Executor(Protocol):
 
     def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
         """``{task_source, task_path, candidates: {name: source}, device, precision, seed,
-        compile_modes, quick}`` -> the timing result of :func:`kernelcrew.tools.timing.benchmark`."""
+        compile_modes, quick, [hotspots]}`` -> the timing result of
+        :func:`kernelcrew.tools.timing.benchmark` (with ``hotspots``, the reference's ranked kernels
+        and work under ``"profile"``)."""
         ...
 
     def profile(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``{task_source, task_path, device, precision, seed, [candidate_source], [ncu]}`` -> the
-        reference's kernels ranked by time (``hotspots``) and its ``work`` (bytes, flops), the
-        device's ``peaks`` and the task's ``floor`` (:mod:`kernelcrew.tools.roofline`), and with
-        ``ncu`` the Nsight Compute summary of the reference or the candidate
-        (:func:`kernelcrew.tools.ncu.profile`)."""
+        """``{task_source, task_path, device, precision, seed, [candidate_source], [ncu],
+        [hotspots], [work]}`` -> the reference's kernels ranked by time (``hotspots``, unless
+        ``hotspots`` is false) and its ``work`` (bytes, flops; or the request's), the device's
+        ``peaks`` and the task's ``floor`` (:mod:`kernelcrew.tools.roofline`), and with ``ncu`` the
+        Nsight Compute summary of the reference or the candidate (:func:`kernelcrew.tools.ncu.profile`)."""
         ...
 
     def close(self) -> None:
@@ -109,17 +112,25 @@ class LocalExecutor:
     def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
         from kernelcrew.tools.timing import benchmark
 
+        lap = Laps()
         golden = self.golden(request)
+        golden_s = lap("golden")
         candidates = {name: (source, f"{name}.py") for name, source in request.get("candidates", {}).items()}
-        return benchmark(
+        result = benchmark(
             request["task_source"],
             candidates,
             compile_modes=request.get("compile_modes", ()),
             quick=bool(request.get("quick", False)),
             golden=golden,
             task_path=request.get("task_path", "task.py"),
+            hotspots=bool(request.get("hotspots", False)),
             settings=self.settings,
         )
+        lap("benchmark")
+        result["phase_s"] = lap.seconds
+        if golden_s:
+            result["golden_phase_s"] = golden.meta.get("phase_s", {})
+        return result
 
     def profile(self, request: dict[str, Any]) -> dict[str, Any]:
         """The reference's hotspots and work (no ``candidate_source``) or a candidate's, the device's
@@ -127,14 +138,20 @@ class LocalExecutor:
         from kernelcrew.tools import ncu, roofline
         from kernelcrew.tools.hardware import detect
 
+        lap = Laps()
         golden = self.golden(request)  # validates the task and fixes the weights and inputs
+        lap("golden")
         candidate = request.get("candidate_source")
-        out: dict[str, Any] = {} if candidate else self._hotspots(golden, request)
+        out: dict[str, Any] = {}
+        if not candidate and request.get("hotspots", True):
+            out = self._hotspots(golden, request)
+            lap("hotspots")
         hardware = detect(request["device"]).to_dict()
         peaks = roofline.peaks_for(hardware, self.settings)
         out.update(hardware=hardware, peaks=peaks.to_dict())
-        if "work" in out:
-            out["floor"] = roofline.floor(out["work"], peaks)
+        work = out.get("work") or request.get("work")
+        if work:
+            out["work"], out["floor"] = work, roofline.floor(work, peaks)
         if request.get("ncu"):
             result = ncu.profile(
                 golden,
@@ -145,6 +162,8 @@ class LocalExecutor:
             )
             result.pop("records", None)  # the per-launch records stay here; the summary travels
             out["ncu"] = result
+            lap("ncu")
+        out["phase_s"] = lap.seconds
         return out
 
     def _hotspots(self, golden: Any, request: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ judges them (:mod:`kernelcrew.tools.correctness`).
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,26 @@ from kernelcrew.tools.sandbox import StageError
 
 TEST_SEED_OFFSET = 1000
 SIGN_SEED_OFFSET = 2000
+#: Seed sets that get a signed variant: a kernel that assumes non-negative inputs fails on the first
+#: one already, and each further variant of a memory-bound task is hundreds of megabytes to make,
+#: store and run.
+SIGNED_SETS = 2
 INIT_SEED_OFFSET = 0
+
+
+class Laps:
+    """Seconds per named phase: ``laps("name")`` ends a phase where the previous one ended (or where
+    the clock started); a name used again adds up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._clock = time.monotonic()
+
+    def __call__(self, name: str) -> float:
+        now = time.monotonic()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._clock, 2)
+        self._clock = now
+        return self.seconds[name]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,33 +205,58 @@ def shares_storage(out: Any, inputs: list[Any]) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def _input_sets(task: Task, seed: int, n_seeds: int) -> list[dict[str, Any]]:
+def _input_sets(task: Task, seed: int, n_seeds: int, device: str = "cpu") -> tuple[list[dict[str, Any]], str]:
+    """The seed and test input sets (on the CPU), and a note when they could not be made on ``device``.
+
+    Factory calls (``torch.randn``...) in ``get_inputs()`` run with ``device`` as the default
+    device: a GPU draws a memory-bound task's hundreds of millions of random numbers in
+    milliseconds where the CPU took seconds per set. A ``get_inputs()`` that needs CPU tensors
+    (NumPy, ``.numpy()``) is run again on the CPU. Each set moves to the CPU as soon as it is made,
+    so the GPU never holds more than one.
+    """
+    if device != "cpu":
+        try:
+            return _make_input_sets(task, seed, n_seeds, device), ""
+        except Exception as exc:  # any failure: the CPU run below raises the task's own error
+            note = f"inputs made on the CPU: with {device} as the default device, {type(exc).__name__}: {exc}"
+            return _make_input_sets(task, seed, n_seeds, "cpu"), note
+    return _make_input_sets(task, seed, n_seeds, "cpu"), ""
+
+
+def _make_input_sets(task: Task, seed: int, n_seeds: int, device: str) -> list[dict[str, Any]]:
     import torch
+
+    def made(fn: Any) -> list[Any]:
+        with torch.device(device):
+            return to_device(fn(), "cpu")
 
     sets = []
     for i in range(n_seeds):
         s = seed + 1 + i
         torch.manual_seed(s)
-        sets.append(
-            {"origin": "seed", "seed": s, "inputs": call_inputs(task.get_inputs, "get_inputs", task.name)}
-        )
+        inputs = made(lambda: call_inputs(task.get_inputs, "get_inputs", task.name))
+        sets.append({"origin": "seed", "seed": s, "inputs": inputs})
     torch.manual_seed(seed + TEST_SEED_OFFSET)
-    for j, inputs in enumerate(test_input_sets(task)):
+    for j, inputs in enumerate(made(lambda: test_input_sets(task))):
         sets.append({"origin": "test", "seed": seed + TEST_SEED_OFFSET, "test_index": j, "inputs": inputs})
     return sets
 
 
-def _signed_variant(inputs: list[Any], seed: int) -> list[Any] | None:
-    """Inputs with random signs on every non-negative floating tensor, or None if none is."""
+def _signed_variant(inputs: list[Any], seed: int, device: str = "cpu") -> list[Any] | None:
+    """Inputs with random signs on every non-negative floating tensor, or None if none is.
+
+    The signs are drawn on ``device`` (a GPU draws a memory-bound task's hundreds of millions in
+    milliseconds, where the CPU took seconds); the variant comes back on the CPU, like the inputs.
+    """
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     changed = False
     out = []
     for x in inputs:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1 and bool((x >= 0).all()):
-            signs = torch.randint(0, 2, x.shape, generator=gen).to(x.dtype) * 2 - 1
-            out.append(x * signs.to(x.device))
+            signs = torch.randint(0, 2, x.shape, generator=gen, device=device).to(x.dtype) * 2 - 1
+            out.append((x.to(device) * signs).to(x.device))
             changed = True
         else:
             out.append(x)
@@ -247,19 +292,21 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
     device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
     apply_precision(policy)
+    lap = Laps()
     try:
         task = load_task(payload["task_source"], path=payload["task_path"])
         model, _ = build_reference(task, seed)
-        sets = _input_sets(task, seed, int(payload["n_seeds"]))
+        sets, inputs_note = _input_sets(task, seed, int(payload["n_seeds"]), device)
     except TaskError as exc:
         raise StageError("task", str(exc)) from exc
+    lap("inputs")
     randomized = randomize_constant_parameters(model, seed + 7)
     model.eval()
     state = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
 
     native_model = model.to(device).eval()
     model64 = copy.deepcopy(native_model).to(torch.float64).eval()
-    notes: list[str] = []
+    notes: list[str] = [inputs_note] if inputs_note else []
     shapes = {tuple(describe_inputs(s["inputs"])) for s in sets if s["origin"] == "seed"}
     if len(shapes) != 1:
         notes.append("get_inputs() returned different shapes under different seeds")
@@ -311,21 +358,26 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         input_lists.append([x.detach().to("cpu") if isinstance(x, torch.Tensor) else x for x in inputs])
         return True
 
+    lap("model")
     for s in sets:
         inputs = s.pop("inputs")
         add(dict(s), inputs)
-    for rec in [r for r in records if r["origin"] == "seed"]:
-        variant = _signed_variant(input_lists[rec["index"]], seed + SIGN_SEED_OFFSET + rec["index"])
+    lap("reference")
+    for rec in [r for r in records if r["origin"] == "seed"][:SIGNED_SETS]:
+        variant = _signed_variant(input_lists[rec["index"]], seed + SIGN_SEED_OFFSET + rec["index"], device)
         if variant is not None:
             add({"origin": "signed", "seed": rec["seed"], "of": rec["index"]}, variant)
+    lap("signed")
 
     out = workdir / "child"  # the only directory a child may write; the parent moves these out
     torch.save(input_lists, out / "inputs.pt")
     torch.save(state, out / "state_dict.pt")
     torch.save(golden, out / "golden.pt")
     torch.save(native, out / "native.pt")
+    lap("save")
     first = native[0]
     return {
+        "phase_s": lap.seconds,
         "sets": records,
         "reference_ops": reference_ops,
         "golden_mode": golden_mode,
@@ -709,6 +761,8 @@ def benchmark_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         torch.save(samples, workdir / "child" / "samples.pt")
     from kernelcrew.tools import hardware
 
+    if payload.get("hotspots"):
+        result["profile"] = profile_reference(reference, dev_sets[0], device, policy)
     result.update(
         compile_s=compile_s,
         compile_errors=compile_errors,
@@ -745,18 +799,22 @@ def _profiled_model(payload: dict[str, Any], workdir: Path) -> tuple[Any, list[A
 
 
 def profile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Run the reference a few times under torch.profiler and rank what it spends its time on.
+    """:func:`profile_reference` of the reference with the shared weights and first input set."""
+    model, inputs = _profiled_model(payload, workdir)
+    return profile_reference(model, inputs, payload["device"], payload["precision"])
+
+
+def profile_reference(model: Any, inputs: list[Any], device: str, precision: str) -> dict[str, Any]:
+    """Run ``model`` a few times under torch.profiler and rank what it spends its time on.
 
     On a GPU the ranking is by device kernels (self device time); on a CPU by aten ops (self CPU
     time), and it says so. ``share`` is each entry's fraction of the total: the most a kernel
-    replacing that entry alone can save.
+    replacing that entry alone can save. ``work`` is what the floor is computed from.
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    device = payload["device"]
-    model, inputs = _profiled_model(payload, workdir)
-    work = measure_work(model, inputs, payload["precision"])
+    work = measure_work(model, inputs, precision)
     on_gpu = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with torch.no_grad():
@@ -922,7 +980,7 @@ def ncu_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
     device = payload["device"]
     model, inputs = _profiled_model(payload, workdir)
-    calls = max(int(payload.get("calls", 3)), 1)
+    calls = max(int(payload.get("calls", 1)), 1)
     with torch.no_grad():
         for _ in range(3):
             model(*inputs)

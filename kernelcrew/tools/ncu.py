@@ -456,7 +456,7 @@ def profile(
     candidate_source: str | None = None,
     *,
     candidate_path: str = "candidate.py",
-    calls: int = 3,
+    calls: int = 1,
     kernel_filter: str = "",
     clock_control: str | None = None,
     timeout_s: float | None = None,

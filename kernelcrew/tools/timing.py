@@ -756,9 +756,14 @@ def benchmark(
     golden: Golden | None = None,
     task_path: str = "task.py",
     sample_outputs: int = 3,
+    hotspots: bool = False,
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Time eager, the ``torch.compile`` baselines and ``candidates`` ({name: (source, path)}) together.
+
+    With ``hotspots`` the same child then ranks the reference's kernels and measures its work
+    (:func:`kernelcrew.tools.harness.profile_reference`, under ``"profile"``): one process start
+    and one load of the inputs fewer than a separate profile run.
 
     With a ``golden`` (:func:`kernelcrew.tools.correctness.make_golden`), the timing uses the
     verified input sets and weights (its device, precision and seed apply), and the outputs of
@@ -787,6 +792,7 @@ def benchmark(
         "candidates": {name: {"source": src, "path": path} for name, (src, path) in candidates.items()},
         "quick": quick,
         "sample_outputs": sample_outputs if golden else 0,
+        "hotspots": hotspots,
     }
     set_indices: list[int] = []
     writable = tuple(cache_dirs(src)["root"] for src, _ in candidates.values())

@@ -66,6 +66,18 @@ def test_playbook_run_returns_a_verified_own_kernel(playbook_run):
     assert "fused_pointwise" in (out / "report.md").read_text()
 
 
+def test_the_baseline_ranks_kernels_in_its_timing_child_and_says_where_its_time_went(playbook_run):
+    report, out, _ = playbook_run
+    base = report["baseline"]
+    assert base["hotspots"] and base["hotspots"][0]["name"].startswith("aten::")
+    phases = base["phase_s"]
+    assert set(phases) == {"golden", "benchmark", "analysis_wait"}, "no hotspot child, no ncu on a CPU"
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= report["elapsed_s"]
+    assert "baseline: golden" in (out / "report.md").read_text()
+    run = base["timing_run"]
+    assert run["rounds"] >= 1 and run["stop_reason"] in ("max_reps", "stable", "time_budget")
+
+
 def test_best_py_passes_the_verifier_again(playbook_run):
     _, out, _ = playbook_run
     verdict = verify(POINTWISE.read_text(), (out / "best.py").read_text())

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernelcrew.config import Settings
-from kernelcrew.task import TaskError
+from kernelcrew.task import TaskError, load_task
 from kernelcrew.tools.correctness import make_golden, verify
+from kernelcrew.tools.harness import SIGNED_SETS, _input_sets
 from tests.conftest import FIXTURES, fixture_meta
 
 CANDIDATES = sorted((FIXTURES / "candidates").glob("*.py"))
@@ -92,8 +94,43 @@ def test_one_shape_task_is_flagged_and_signed_variants_run(goldens):
     )
     assert verdict.passed
     assert "verified at one shape" in verdict.flags
-    assert any(s["origin"] == "signed" for s in verdict.input_sets)
+    signed = [s for s in verdict.input_sets if s["origin"] == "signed"]
+    assert 1 <= len(signed) <= SIGNED_SETS
     assert sum(s["origin"] == "seed" for s in verdict.input_sets) >= 5
+
+
+NUMPY_INPUTS = """
+import numpy as np
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+def get_inputs():
+    return [torch.from_numpy(torch.rand(4, 3).numpy() + np.float32(1))]
+
+def get_init_inputs():
+    return []
+
+def get_test_inputs():
+    return [[torch.rand(2, 5)]]
+"""
+
+
+def test_inputs_that_cannot_be_made_on_the_device_are_made_on_the_cpu_with_a_note():
+    # The meta device stands in for a GPU here: a tensor made there cannot become a NumPy array.
+    task = load_task(NUMPY_INPUTS, path="numpy_task.py")
+    sets, note = _input_sets(task, 11, 2, "meta")
+    cpu_sets, cpu_note = _input_sets(task, 11, 2, "cpu")
+    assert "inputs made on the CPU" in note and not cpu_note
+    assert [s["origin"] for s in sets] == ["seed", "seed", "test"]
+    for made, expected in zip(sets, cpu_sets, strict=True):
+        assert all(
+            torch.equal(a, b) and a.device.type == "cpu"
+            for a, b in zip(made["inputs"], expected["inputs"], strict=True)
+        )
 
 
 def test_constant_parameters_are_randomized(goldens):
