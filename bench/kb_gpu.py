@@ -143,10 +143,11 @@ def main() -> None:
         "--reuse", type=Path, help="Read runs whose report is already in this kb_runs folder."
     )
     parser.add_argument(
-        "--first-patience",
+        "--patience",
         type=int,
-        help="--patience of the first run (as many as --max-iters: it tries its whole menu, so the "
-        "knowledge base learns the true best rather than the first good one).",
+        help="--patience of every run (as many as --max-iters: each run tries its whole menu, so the "
+        "knowledge base learns the true best rather than the first good one, and the step at which "
+        "each second run found its best is comparable).",
     )
     parser.add_argument(
         "--only",
@@ -185,7 +186,7 @@ def main() -> None:
                 use_kb=key != "without_kb",
                 device=args.device,
                 reuse=None if key in only else args.reuse,
-                patience=args.first_patience if key == "first" else None,
+                patience=args.patience,
             )
             if key == "first" and key in only:
                 kb_cli(Path(data_dir), "export", str(run_dir / "kb_export.json"))
@@ -197,7 +198,7 @@ def main() -> None:
         "second": args.second,
         "max_iters": args.max_iters,
         "command": f"python bench/kb_gpu.py --first {args.first} --second {args.second} "
-        f"--max-iters {args.max_iters} --first-patience {args.first_patience} --device {args.device} "
+        f"--max-iters {args.max_iters} --patience {args.patience} --device {args.device} "
         f"--only {args.only}"
         + (
             f" --reuse {args.reuse} (runs read from an earlier shard are marked reused_from)"
