@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import inspect
 import sys
+import threading
 import traceback
 import uuid
 from dataclasses import dataclass, field
@@ -96,11 +97,24 @@ def _top_level_defs(tree: ast.Module) -> dict[str, ast.AST]:
     return defs
 
 
+#: CPython 3.11 keeps ``ast.parse``'s recursion depth in state that threads share: two threads
+#: parsing at once (the graph analysis beside the timing, two web requests) can fail with
+#: "AST constructor recursion depth mismatch". Every parse in kernelcrew holds this lock. Reentrant:
+#: a finalizer run by the garbage collector mid-parse may parse too.
+_AST_LOCK = threading.RLock()
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse``, one thread at a time (see ``_AST_LOCK``)."""
+    with _AST_LOCK:
+        return ast.parse(source, filename=filename)
+
+
 def parse(source: str, path: str = "<task>") -> ast.Module:
     if len(source.encode()) > MAX_SOURCE_BYTES:
         raise TaskError(f"source is larger than {MAX_SOURCE_BYTES} bytes", path=path)
     try:
-        return ast.parse(source, filename=path)
+        return parse_python(source, filename=path)
     except SyntaxError as exc:
         raise TaskError(f"syntax error: {exc.msg}", path=path, line=exc.lineno) from exc
 

@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kernelcrew.task import parse_python
+
 #: Top-level modules a candidate may import. Everything else is refused with this list in the message.
 ALLOWED_IMPORTS = frozenset(
     {
@@ -288,7 +290,7 @@ class _StaticChecker(ast.NodeVisitor):
 def static_check(source: str, path: str = "candidate.py") -> list[Finding]:
     """The static rules on a candidate's source; an empty list means none was broken."""
     try:
-        tree = ast.parse(source, filename=path)
+        tree = parse_python(source, filename=path)
     except SyntaxError as exc:
         return [Finding("syntax", f"syntax error: {exc.msg}", exc.lineno)]
     checker = _StaticChecker()

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcrew.config import get_settings
-from kernelcrew.task import TaskError, load_candidate, source_digest
+from kernelcrew.task import TaskError, load_candidate, parse_python, source_digest
 from kernelcrew.tools.sandbox import StageError
 
 #: Hex characters of sha256(source) naming a candidate's cache folder and suffixing extension names.
@@ -174,7 +174,7 @@ def detect_source_kind(source: str) -> dict[str, bool]:
     """
     kind = {"triton": False, "cuda": False, "cpp": False, "compiler": False}
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except SyntaxError:
         return _detect_by_text(source)
     aliases = _import_aliases(tree)
@@ -487,7 +487,7 @@ class _SourceIndex:
     def __init__(self, source: str) -> None:
         self.lines = source.splitlines()
         try:
-            self.tree: ast.Module | None = ast.parse(source)
+            self.tree: ast.Module | None = parse_python(source)
         except SyntaxError:
             self.tree = None
         self.literals: list[ast.Constant] = []

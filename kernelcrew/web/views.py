@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kernelcrew.agents.report import _NCU_ROWS, _stalls
+from kernelcrew.task import parse_python
 from kernelcrew.web.charts import Chart, Series, roofline_chart, time_chart
 
 PRIVATE_RESULT_KEYS = ("_best_py", "_report_md")
@@ -22,7 +23,7 @@ PRIVATE_RESULT_KEYS = ("_best_py", "_report_md")
 def task_name(source: str) -> str:
     """The first line of the task's docstring; else a short hash, so two tasks are told apart."""
     try:
-        doc = ast.get_docstring(ast.parse(source)) or ""
+        doc = ast.get_docstring(parse_python(source)) or ""
     except SyntaxError:
         doc = ""
     first = doc.strip().splitlines()[0] if doc.strip() else ""

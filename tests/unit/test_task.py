@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import gc
 import re
+import threading
+from pathlib import Path
 
 import pytest
 
-from kernelcrew.task import TaskError, call_inputs, check_source, load_candidate, load_task, read_source
+import kernelcrew
+from kernelcrew.task import (
+    TaskError,
+    call_inputs,
+    check_source,
+    load_candidate,
+    load_task,
+    parse,
+    read_source,
+)
+from kernelcrew.tools.anticheat import static_check
 from tests.conftest import FIXTURES
 
 BAD = sorted((FIXTURES / "tasks" / "bad").glob("*.py"))
@@ -75,3 +88,59 @@ def test_read_source_refuses_binary_huge_and_missing(tmp_path):
         read_source(huge)
     with pytest.raises(TaskError, match="not found"):
         read_source(tmp_path / "missing.py")
+
+
+def _parse_in_threads(parse) -> list[str]:
+    """``parse`` on a sizable source from threads at different stack depths, with the garbage
+    collector running finalizers mid-parse: the conditions under which CPython 3.11's shared
+    AST recursion counter goes wrong. Returns the errors seen."""
+    source = "\n".join(
+        f"def f{i}(x):\n    return [[(x + {i}) * 2 for _ in range(3)] for _ in range(2)]" for i in range(300)
+    )
+    errors: list[str] = []
+
+    class Finalized:
+        def __del__(self) -> None:
+            sum(range(10))
+
+    def at_depth(n: int) -> None:
+        if n:
+            return at_depth(n - 1)
+        for _ in range(20):
+            cycle = [Finalized()]
+            cycle.append(cycle)
+            try:
+                parse(source)
+            except SystemError as exc:
+                errors.append(str(exc))
+                return
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        threads = [threading.Thread(target=at_depth, args=(d,)) for d in (5, 60, 120)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        gc.set_threshold(*thresholds)
+    return errors
+
+
+def test_parses_from_several_threads_at_once_do_not_fail():
+    """The crew analyses a task in a thread while the main thread checks sources; the web server
+    parses in its worker threads. Every kernelcrew parse goes through one lock."""
+    assert _parse_in_threads(lambda s: parse(s, "t.py")) == []
+    assert _parse_in_threads(static_check) == []
+
+
+def test_no_parse_in_the_package_bypasses_the_lock():
+    package = Path(kernelcrew.__file__).parent
+    raw = [
+        f"{p.relative_to(package)}:{n}"
+        for p in package.rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "ast.parse(" in line and not (p.name == "task.py" and "return ast.parse(" in line)
+    ]
+    assert raw == []

@@ -25,6 +25,7 @@ from typing import Any
 
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
 from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, checked_copy, reference_source
+from kernelcrew.task import parse_python
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def _forward_signature(task_source: str) -> tuple[str, str]:
     """The reference forward's parameters (as written, defaults included) and the call passing them
     on: the candidate's forward must have them so that tracing it names the nodes as the analysis
     did."""
-    tree = ast.parse(task_source)
+    tree = parse_python(task_source)
     model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
     forward = next(n for n in model.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
     params = forward.args

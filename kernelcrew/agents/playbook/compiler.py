@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
+from kernelcrew.task import parse_python
 from kernelcrew.tools.anticheat import static_check
 
 MODES = ("default", "max-autotune-no-cudagraphs")
@@ -110,7 +111,7 @@ def _used_names(stmt: ast.stmt) -> set[str]:
 
 def reference_source(task_source: str, new_name: str = REFERENCE_NAME) -> str:
     """The task's ``Model`` renamed ``new_name``, with the module-level code it needs, in file order."""
-    tree = ast.parse(task_source)
+    tree = parse_python(task_source)
     body = tree.body
     defines: dict[str, list[int]] = {}
     for i, stmt in enumerate(body):
