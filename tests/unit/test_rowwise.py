@@ -15,7 +15,7 @@ import pytest
 from kernelcrew.agents import playbook
 from kernelcrew.agents.playbook import STRATEGIES, applicable
 from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child
-from kernelcrew.agents.playbook.rowwise import generate_rowwise, match, tuning_space
+from kernelcrew.agents.playbook.rowwise import DEFAULT_PARAMS, generate_rowwise, match, tuning_space
 from kernelcrew.config import Settings
 from kernelcrew.task import import_source, load_task
 from kernelcrew.tools.anticheat import static_check
@@ -115,29 +115,43 @@ def compare_in_interpreter(source: str, candidate: str, input_sets, rtol: float)
             assert bool((err <= limit).all()), f"max error {float(err.max()):.3g} (PyTorch's own {own:.3g})"
 
 
-def _interpreter_mode() -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
 @pytest.fixture(scope="module")
 def interpreter():
     """A spawned process in Triton's interpreter mode from its start.
 
     ``tl.sum``/``tl.max`` are jit functions of triton.language itself: they run under the
-    interpreter only if triton was first imported in interpreter mode, which an earlier test of
-    the session may not have done in this process.
+    interpreter only if triton was first imported in interpreter mode. A pool initializer is too
+    late: unpickling it imports this module, whose imports (torch._dynamo) import triton. So the
+    process is started with the variable in the environment it inherits.
     """
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=_interpreter_mode) as pool:
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pool = ProcessPoolExecutor(1, mp_context=context)
+        pool.submit(int).result()  # the worker starts now, with the variable set
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    with pool:
         yield pool
 
 
-def check_candidate(interpreter, source, input_sets, params=None, rtol=1e-4) -> str:
-    """Generate the candidate of ``source`` with ``params`` and compare it with the reference."""
+def check_candidate(interpreter, source, input_sets, params=None, rtol=1e-4, split_target=None) -> str:
+    """Generate the candidate of ``source`` with ``params`` and compare it with the reference.
+
+    ``split_target``: rows are split over programs when a launch would have fewer (on a GPU the
+    candidate takes it from the SM count; on the CPU it never splits unless told).
+    """
     a, plan = plan_of(source)
     candidate = generate_rowwise(a, plan, params)
+    if split_target is not None:
+        assert "SPLIT_TARGET = None" in candidate
+        candidate = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {split_target}")
     assert static_check(candidate) == []
     interpreter.submit(compare_in_interpreter, source, candidate, input_sets, rtol).result()
     return candidate
@@ -371,6 +385,79 @@ def test_non_contiguous_inputs(interpreter):
     check_candidate(interpreter, source, sets, params=SMALL)
 
 
+def _splittable(name: str) -> bool:
+    forward, inputs, init, args, _ = PATTERNS[name]
+    a, plan = plan_of(task_source(forward, inputs, init, args))
+    return "PHASE == 1" in generate_rowwise(a, plan, SMALL)
+
+
+SPLITTABLE = [name for name in sorted(PATTERNS) if _splittable(name)]
+
+
+def test_which_plans_split_their_rows():
+    """One reduction level of mergeable states and an output per element; not a loss, not two levels."""
+    for name in (
+        "softmax_masked_fill",
+        "layer_norm_then_gelu",
+        "rms_norm_module",
+        "group_norm_silu_any_rank",
+    ):
+        assert name in SPLITTABLE
+    for name in ("cross_entropy_module", "manual_layer_norm", "logsumexp", "vector_norms"):
+        assert name in PATTERNS and name not in SPLITTABLE
+
+
+@pytest.mark.parametrize("name", SPLITTABLE)
+def test_rows_split_over_programs(name, interpreter):
+    """A row's parts reduced by several programs, their states merged, each part written by its own."""
+    import torch
+
+    forward, inputs, init, args, sets = PATTERNS[name]
+    torch.manual_seed(2)
+    check_candidate(
+        interpreter, task_source(forward, inputs, init, args), sets(torch), SMALL, split_target=64
+    )
+
+
+def test_split_rows_with_empty_and_fully_masked_parts(interpreter):
+    """65 columns in 16-column chunks over 4 parts leave the last part empty; a masked half leaves
+    whole parts at -inf (their softmax sums must not turn into NaN when merged)."""
+    import torch
+
+    torch.manual_seed(3)
+    x = torch.randn(3, 65)
+    mask = torch.ones(3, 65, dtype=torch.long)
+    mask[:, :40] = 0
+    mask[1] = 1
+    softmax = task_source(
+        "return x.masked_fill(mask == 0, float('-inf')).softmax(-1)", "x, mask", args="x, mask"
+    ).replace("return [x, mask]", "return [torch.randn(3, 65), torch.ones(3, 65, dtype=torch.long)]")
+    check_candidate(interpreter, softmax, [[x, mask]], SMALL, split_target=64)
+    norm = task_source("return F.layer_norm(x, (65,)) * x.amax(-1, keepdim=True)", "torch.randn(3, 65)")
+    check_candidate(interpreter, norm, [[x], [x[:2] * 100 + 5]], SMALL, split_target=64)
+
+
+def test_how_many_programs_share_a_row(tmp_path):
+    """A power of two, at most one per chunk and MAX_SPLITS, only when the rows alone leave the
+    launch under its target; never on the CPU unless a target is set."""
+    import torch
+
+    a, plan = plan_of(task_source("return x.softmax(-1)", "torch.randn(4, 8)"))
+    path = tmp_path / "split_candidate.py"  # @triton.jit needs a source file
+    path.write_text(generate_rowwise(a, plan))
+    spec = importlib.util.spec_from_file_location(f"split_{uuid.uuid4().hex[:8]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cpu = torch.device("cpu")
+    assert module._splits(3, 10**6, 2048, cpu) == 1
+    module.SPLIT_TARGET = 64
+    assert module._splits(3, 65, 16, cpu) == 4  # 5 chunks: the power of two below
+    assert module._splits(3, 10**6, 2048, cpu) == 16  # 64 // 3 = 21 programs per row at most
+    assert module._splits(1, 10**9, 16, cpu) == module.MAX_SPLITS == 64
+    assert module._splits(40, 10**6, 2048, cpu) == 1  # 40 rows already fill more than half the target
+    assert module._splits(3, 100, 2048, cpu) == 1  # one chunk per row: nothing to split
+
+
 def test_plan_structure():
     _, softmax = plan_of(
         task_source(
@@ -505,6 +592,8 @@ def test_generate_rejects_bad_params():
         generate_rowwise(a, plan, {"num_warps": 3})
     with pytest.raises(ValueError, match="unknown parameter"):
         generate_rowwise(a, plan, {"BLOCK_SIZE": 64})
+    with pytest.raises(ValueError, match="SPLIT_PER_SM"):
+        generate_rowwise(a, plan, {"SPLIT_PER_SM": -1})
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90", "sm_90a", "sm_100", "cuda", "cpu"])
@@ -514,8 +603,10 @@ def test_tuning_space_per_arch(arch):
     assert len(configs) == 1 if arch == "cpu" else len(configs) >= 4
     assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
     for config in configs:
-        assert set(config) == {"MAX_SINGLE", "CHUNK", "TILE", "num_warps"}
+        assert {"MAX_SINGLE", "CHUNK", "TILE", "num_warps"} <= set(config) <= {*DEFAULT_PARAMS}
         generate_rowwise(a, plan, config)  # every configuration is valid
+    if arch != "cpu":  # a softmax's rows can be split: one configuration measures them unsplit
+        assert configs[-1]["SPLIT_PER_SM"] == 0 and all("SPLIT_PER_SM" not in c for c in configs[:-1])
     with pytest.raises(ValueError, match="unknown architecture"):
         tuning_space(plan, "tpu")
 
@@ -539,6 +630,8 @@ POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "i
 #: Fixture tasks whose kernels are compiled: strided rows on both paths, the loss kernels, bf16
 #: rounding, grouped rows.
 COMPILED = ("attention_softmax", "cross_entropy", "rmsnorm", "groupnorm_silu")
+#: Of those, the ones with few enough rows to be split over programs (compiled that way too).
+SPLIT_COMPILED = ("rmsnorm", "groupnorm_silu")
 
 
 class LaunchRecorder:
@@ -629,6 +722,9 @@ def sm90_builds(tmp_path_factory):
         source = (ROWS / f"{name}.py").read_text()
         a, plan = plan_of(source)
         jobs[name] = (source, generate_rowwise(a, plan, {**SMALL, "num_warps": 4}))
+    for name in SPLIT_COMPILED:  # the same candidates with their rows split over programs
+        source, candidate = jobs[name]
+        jobs[f"{name}_split"] = (source, candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
     workdir = str(tmp_path_factory.mktemp("sm90"))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(compile_for_sm90, jobs, workdir).result()
@@ -644,6 +740,15 @@ def test_kernels_compile_for_sm90(name, sm90_builds):
     assert ("row_reduction_kernel", True) in kinds or name == "rmsnorm"  # 40 > 32 columns: chunks only
     if name == "cross_entropy":
         assert ("loss_reduce_kernel", None) in kinds
+
+
+@pytest.mark.parametrize("name", SPLIT_COMPILED)
+def test_split_row_kernels_compile_for_sm90(name, sm90_builds):
+    """The stats launch and the output launch of split rows build too."""
+    compiled = sm90_builds[f"{name}_split"]
+    assert isinstance(compiled, list), compiled
+    phases = {c["PHASE"] for c in compiled if c["kernel"] == "row_reduction_kernel" and c["SPLITS"] > 1}
+    assert phases == {1, 2}
 
 
 # ----------------------------------------------------------------------------------------------

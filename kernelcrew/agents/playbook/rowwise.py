@@ -38,10 +38,16 @@ reduction ``mean``/``sum``/``none``): the row kernel writes each row's loss and 
 bitwise deterministic (no atomics). What does not apply says why: reductions over another dim than
 the last, matmuls, tuple outputs, class weights, label smoothing...
 
+Few long rows (GroupNorm at large resolutions, a handful of vocab-sized rows) would leave most SMs
+idle with one program per row. When a multi-pass launch would have fewer than ``SPLIT_PER_SM``
+programs per SM, and the plan has one reduction level whose states merge (sums, max/min, online
+log-sum-exp, Chan's moments) and an output per element, each row is split over a power of two of
+programs: a first launch reduces each part and stores its partial states, a second merges a row's
+states and writes each part, walking the programs in reverse so that the parts read last are still
+in L2. Cross-entropy and two-level plans keep one program per row.
+
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
-per element and per row (a scalar weight used on both sides of a reduction) is refused; a row is one
-program's work, so few very long rows (GroupNorm at large resolutions, a handful of vocab-sized
-rows) use few SMs: splitting a row across programs is the next step for those shapes.
+per element and per row (a scalar weight used on both sides of a reduction) is refused.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ from kernelcrew.agents.playbook.pointwise import (
 
 #: Most leading dims (after coalescing) that the kernel's row -> coordinates indexing handles.
 MAX_LEAD = 4
-DEFAULT_PARAMS = {"MAX_SINGLE": 8192, "CHUNK": 2048, "TILE": 2048, "num_warps": 4}
+DEFAULT_PARAMS = {"MAX_SINGLE": 8192, "CHUNK": 2048, "TILE": 2048, "num_warps": 4, "SPLIT_PER_SM": 16}
 
 #: IR reductions and the suffixes of the per-row values each one defines.
 REDUCTIONS: dict[str, tuple[str, ...]] = {
@@ -87,6 +93,11 @@ REDUCTIONS: dict[str, tuple[str, ...]] = {
     "rmoments": ("_mean", "_var"),
     "rce": ("", "_valid"),
 }
+
+#: Reductions whose state over part of a row merges with the other parts' (a row split over programs).
+MERGEABLE = frozenset({"rsum", "rmean", "rmax", "rmin", "rlse", "rmoments"})
+#: Most programs one row is split over.
+MAX_SPLITS = 64
 
 #: Torch-level ops this strategy handles besides the pointwise ones.
 ROW_OPS = frozenset(
@@ -872,13 +883,24 @@ def _number(value: Any, node: dict[str, Any], what: str) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
+def splittable(plan: RowPlan) -> bool:
+    """One reduction level whose states merge, and an output per element: a row can be split."""
+    return (
+        plan.levels == 1
+        and plan.result_layout == "row"
+        and plan.loss_reduction is None
+        and all(s.op in MERGEABLE for s in plan.reductions)
+    )
+
+
 def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
-    """MAX_SINGLE x CHUNK x TILE x num_warps configurations worth timing on ``arch``.
+    """MAX_SINGLE x CHUNK x TILE x num_warps (x SPLIT_PER_SM) configurations worth timing on ``arch``.
 
     ``MAX_SINGLE``: the longest row kept in registers (single pass); ``CHUNK``: the columns per
     iteration of the multi-pass loop; ``TILE``: the elements one program covers when rows are short
     (``ROWS = TILE // BLOCK_N`` rows per program); ``num_warps``: the warps of a ``TILE``-element
-    block (scaled with the block). One configuration for the CPU interpreter, where big blocks mean
+    block (scaled with the block); ``SPLIT_PER_SM``: when a launch of multi-pass rows would have
+    fewer programs than this many per SM, each row is split over several (0: never). One configuration for the CPU interpreter, where big blocks mean
     fewer interpreted programs.
     """
     cls = arch_class(arch)
@@ -903,7 +925,12 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
         ]
     if plan.compute_dtype == "float64" or len([x for x in plan.layouts if x == "row"]) > 3:
         configs = [c for c in configs if c[0] <= 8192]  # more live tiles: keep rows shorter in registers
-    return [{"MAX_SINGLE": s, "CHUNK": c, "TILE": t, "num_warps": w} for s, c, t, w in configs]
+    space = [{"MAX_SINGLE": s, "CHUNK": c, "TILE": t, "num_warps": w} for s, c, t, w in configs]
+    if splittable(
+        plan
+    ):  # few long rows split over programs by default; the first config without, measured too
+        space.append({**space[0], "SPLIT_PER_SM": 0})
+    return space
 
 
 def _check_params(params: dict[str, Any] | None) -> dict[str, int]:
@@ -921,6 +948,9 @@ def _check_params(params: dict[str, Any] | None) -> dict[str, int]:
             or value & (value - 1)
         ):
             raise ValueError(f"{key} must be a power of two in [16, 65536], got {value!r}")
+    split = merged["SPLIT_PER_SM"]
+    if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split <= 1024:
+        raise ValueError(f"SPLIT_PER_SM must be an integer in [0, 1024], got {split!r}")
     if merged["num_warps"] not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {merged['num_warps']!r}")
     return merged
@@ -1103,6 +1133,57 @@ class _KernelWriter:
             ]
         raise ValueError(f"no Triton code for reduction {s.op!r}")
 
+    @property
+    def splittable(self) -> bool:
+        return splittable(self.plan)
+
+    def partials(self, s: Step) -> list[str]:
+        """The ``[ROWS, 1]`` state of reduction ``s`` after a loop over part of a row."""
+        r = f"r_{s.out}"
+        if s.op in ("rsum", "rmean"):
+            return [f"tl.sum({r}, axis=1)[:, None]"]
+        if s.op in ("rmax", "rmin"):
+            return [f"tl.{s.op[1:]}({r}, axis=1)[:, None]"]
+        if s.op == "rlse":
+            return [f"{r}_m", f"{r}_s"]
+        if s.op == "rmoments":
+            return [f"{r}_n", f"{r}_mean", f"{r}_m2"]
+        raise ValueError(f"no partial state for reduction {s.op!r}")
+
+    def merge(self, s: Step, first: int) -> list[str]:
+        """``t_<out>`` of reduction ``s`` from the SPLITS partial states stored from slot ``first`` on."""
+        r, o = f"r_{s.out}", f"t_{s.out}"
+        fill = {"rmax": 'float("-inf")', "rmin": 'float("inf")', "rlse": 'float("-inf")'}.get(s.op, "0.0")
+        count = len(self.partials(s))
+        lines = [
+            f"{r}_q{k} = tl.load(ws_ptr + ({first + k} * n_rows + rows[:, None]) * SPLITS + parts[None, :], "
+            f"mask=rmask[:, None], other={fill if k == 0 else '0.0'})"
+            for k in range(count)
+        ]
+        if s.op in ("rsum", "rmean"):
+            return [
+                *lines,
+                f"{o} = tl.sum({r}_q0, axis=1)[:, None]" + (" / n_cols" if s.op == "rmean" else ""),
+            ]
+        if s.op in ("rmax", "rmin"):
+            return [*lines, f"{o} = tl.{s.op[1:]}({r}_q0, axis=1)[:, None]"]
+        if s.op == "rlse":  # each part's sum is relative to its own max (0 where that is -inf)
+            return [
+                *lines,
+                f"{o}_m = tl.max({r}_q0, axis=1)[:, None]",
+                f'{r}_ms = tl.where({o}_m == float("-inf"), 0.0, {o}_m)',
+                f'{r}_qs = tl.where({r}_q0 == float("-inf"), 0.0, {r}_q0)',
+                f'{o}_s = tl.sum(tl.where({r}_q0 == float("-inf"), 0.0, {r}_q1 * tl.exp({r}_qs - {r}_ms)), axis=1)[:, None]',
+            ]
+        # rmoments, Chan et al. over the parts: the counts add, the means weigh, the spreads add
+        return [
+            *lines,
+            f"{r}_n = tl.sum({r}_q0, axis=1)[:, None]",
+            f"{o}_mean = tl.sum({r}_q0 * {r}_q1, axis=1)[:, None] / {r}_n",
+            f"{r}_d = {r}_q1 - {o}_mean",
+            f"{o}_var = tl.sum({r}_q2 + {r}_q0 * {r}_d * {r}_d, axis=1)[:, None] / {self.var_divisor(s)}",
+        ]
+
     def reduce_final(self, s: Step) -> list[str]:
         r, o = f"r_{s.out}", f"t_{s.out}"
         if s.op in ("rsum", "rmean"):
@@ -1138,8 +1219,13 @@ class _KernelWriter:
     def body(self) -> list[str]:
         plan = self.plan
         n = len(plan.operands)
-        lines = [
-            "pid = tl.program_id(0)",
+        lines = ["pid = tl.program_id(0)"]
+        if self.splittable:
+            lines += [
+                "if PHASE == 2:  # walk back: the parts the stats phase read last are still in L2",
+                "    pid = tl.num_programs(0) - 1 - pid",
+            ]
+        lines += [
             "rows32 = pid * ROWS + tl.arange(0, ROWS)  # n_rows < 2**31: 32-bit row coordinates",
             "rows = rows32.to(tl.int64)",
             "rmask = rows < n_rows",
@@ -1169,7 +1255,15 @@ class _KernelWriter:
         lines.append(
             "else:  # rows longer than one block: one pass per reduction level, then one that writes"
         )
-        lines += [f"    {line}" for line in self.multi_pass(early)]
+        if not self.splittable:
+            lines += [f"    {line}" for line in self.multi_pass(early)]
+            return lines
+        lines += [
+            "    if PHASE == 0:  # one program per row",
+            *(f"        {line}" for line in self.multi_pass(early)),
+            "    else:  # SPLITS programs per row, each on one part: its stats (1), then its output (2)",
+            *(f"        {line}" for line in self.split_pass()),
+        ]
         return lines
 
     def row_offsets(self) -> list[str]:
@@ -1259,11 +1353,86 @@ class _KernelWriter:
             lines += self.store()
         return lines
 
+    def split_pass(self) -> list[str]:
+        """Few long rows: each of SPLITS programs reduces one part of a row and stores its partial
+        states (PHASE 1); a second launch merges a row's states and writes each part (PHASE 2)."""
+        plan = self.plan
+        reductions = plan.reductions
+        operands, steps = self.row_closure([s.args[0] for s in reductions])
+        lines = [
+            "split = tl.program_id(1)",
+            "if PHASE == 2:",
+            "    split = SPLITS - 1 - split",
+            "span = ((n_cols + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole chunks per part",
+            "lo = split * span",
+            "hi = tl.minimum(lo + span, n_cols)",
+            "if PHASE == 1:",
+        ]
+        inner = (
+            self.chunk_header("start")
+            + [line for i in operands for line in self.load_row(i)]
+            + self.emitter.section(steps)
+        )
+        phase1: list[str] = []
+        for s in reductions:
+            phase1 += self.reduce_init(s)
+        phase1.append("for start in range(lo, hi, BLOCK_N):")
+        for s in reductions:
+            inner += self.reduce_update(s)
+        phase1 += [f"    {line}" for line in inner]
+        phase2 = ["parts = tl.arange(0, SPLITS)"]
+        slot = 0
+        for s in reductions:
+            for value in self.partials(s):
+                phase1.append(
+                    f"tl.store(ws_ptr + ({slot} * n_rows + rows[:, None]) * SPLITS + split, {value}, "
+                    "mask=rmask[:, None])"
+                )
+                slot += 1
+        slot = 0
+        for s in reductions:
+            phase2 += self.merge(s, slot)
+            slot += len(self.partials(s))
+        after = [
+            s
+            for s in plan.steps
+            if s.op not in REDUCTIONS and not self.is_row(s) and plan.stages[f"t:{s.out}"] == 1
+        ]
+        phase2 += self.emitter.section(after)
+        operands, steps = self.row_closure([plan.result])
+        phase2.append("for start in range(lo, hi, BLOCK_N):")
+        inner = (
+            self.chunk_header("start")
+            + [line for i in operands for line in self.load_row(i)]
+            + self.emitter.section(steps)
+        )
+        phase2 += [f"    {line}" for line in inner + self.store()]
+        return [*lines, *(f"    {line}" for line in phase1), "else:", *(f"    {line}" for line in phase2)]
+
+    def n_partials(self) -> int:
+        return sum(len(self.partials(s)) for s in self.plan.reductions)
+
 
 def generate(task_source: str, analysis: TaskAnalysis, plan: RowPlan, params: dict[str, Any]) -> str:
     """The playbook's strategy protocol: the candidate source for ``plan``."""
     del task_source
     return generate_rowwise(analysis, plan, params)
+
+
+#: The host helper that picks how many programs share a row (emitted only for splittable plans).
+SPLIT_HELPER = '''def _splits(n_rows, n_cols, block, device):
+    """Programs per row: 1 when the rows alone fill the GPU, else a power of two of whole chunks."""
+    target = SPLIT_TARGET
+    if target is None:
+        if device.type != "cuda":
+            return 1
+        target = SPLIT_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    if 2 * n_rows > target:
+        return 1
+    return _pow2_at_most(min(target // n_rows, triton.cdiv(n_cols, block)), MAX_SPLITS)
+
+
+'''
 
 
 def generate_rowwise(analysis: TaskAnalysis, plan: RowPlan, params: dict[str, Any] | None = None) -> str:
@@ -1279,7 +1448,15 @@ def generate_rowwise(analysis: TaskAnalysis, plan: RowPlan, params: dict[str, An
     n = len(plan.operands)
     has_aux = plan.loss_reduction is not None
 
-    ptrs = ", ".join([*(f"in{i}_ptr" for i in range(n)), "out_ptr", *(["aux_ptr"] if has_aux else [])])
+    split = writer.splittable
+    ptrs = ", ".join(
+        [
+            *(f"in{i}_ptr" for i in range(n)),
+            "out_ptr",
+            *(["aux_ptr"] if has_aux else []),
+            *(["ws_ptr"] if split else []),
+        ]
+    )
     dims = ", ".join(f"dim{d}" for d in range(1, MAX_LEAD))
     strides = "\n".join(
         f"    {', '.join([*(f'in{i}_s{d}' for d in range(MAX_LEAD)), f'in{i}_sc'])}," for i in range(n)
@@ -1401,26 +1578,56 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
         strides += [*s, v.stride(-1)]"""
         grouped_helper = ""
         mode_args = ""
-    launch = [
-        "        *views,",
-        "        out,",
-        *(["        valid,"] if has_aux else []),
-        "        n_rows,",
-        "        n_cols,",
-        "        *dims[1:],",
-        "        *strides,",
-        "        ROWS=rows_per_program,",
-        "        BLOCK_N=block,",
-        "        SINGLE_PASS=single,",
-        "        FLAT_ROWS=flat,",
+    launch_args = [
+        "*views",
+        "out",
+        *(["valid"] if has_aux else []),
+        "n_rows",
+        "n_cols",
+        "*dims[1:]",
+        "*strides",
+    ]
+    sizes = ", ".join(launch_args[-4:])  # after the pointers (the workspace's goes between)
+    meta = [
+        "BLOCK_N=block",
+        "SINGLE_PASS=single",
+        "FLAT_ROWS=flat",
         *(
-            [f"        MODE{i}=modes[{i}]," for i in range(n)]
-            + ["        HAS_SPLIT=any(modes),", "        WIDE_POSITIONS=positions >= block,"]
+            [f"MODE{i}=modes[{i}]" for i in range(n)]
+            + ["HAS_SPLIT=any(modes)", "WIDE_POSITIONS=positions >= block"]
             if grouped
             else []
         ),
-        "        num_warps=warps,",
     ]
+    if split:
+        split_args = "\n    SPLITS: tl.constexpr,\n    PHASE: tl.constexpr,"
+        launch = f"""    sizes = ({sizes})
+    meta = dict({", ".join(meta)})
+    splits = 1 if single else _splits(n_rows, n_cols, block, device)
+    if splits == 1:
+        grid = (triton.cdiv(n_rows, rows_per_program),)
+        row_reduction_kernel[grid](*views, out, out, *sizes, ROWS=rows_per_program, SPLITS=1, PHASE=0, num_warps=warps, **meta)
+    else:  # few long rows: SPLITS programs per row, a stats launch then an output launch
+        ws = torch.empty(({writer.n_partials()}, n_rows, splits), dtype=WS_DTYPE, device=device)
+        warps = _pow2_at_most(NUM_WARPS * block // TILE, 16) if block > TILE else NUM_WARPS
+        for phase in (1, 2):
+            row_reduction_kernel[(n_rows, splits)](*views, out, ws, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
+        split_helper = SPLIT_HELPER
+        split_doc = (
+            "\nFew long rows are split over programs: a launch that stores each part's partial states, then one"
+            "\nthat merges them and writes each part."
+        )
+        split_consts = f"""
+#: Few long rows are split over programs when a launch would have fewer than SPLIT_TARGET programs;
+#: None: SPLIT_PER_SM per SM on a GPU (0: never), never on the CPU.
+SPLIT_TARGET = None
+SPLIT_PER_SM = {p["SPLIT_PER_SM"]}
+MAX_SPLITS = {MAX_SPLITS}
+WS_DTYPE = torch.{"float64" if plan.compute_dtype == "float64" else "float32"}"""
+    else:
+        split_args = split_helper = split_consts = split_doc = ""
+        launch = f"""    grid = (triton.cdiv(n_rows, rows_per_program),)
+    row_reduction_kernel[grid]({", ".join(launch_args)}, ROWS=rows_per_program, {", ".join(meta)}, num_warps=warps)"""
     groups_const = f"\nGROUPS = {plan.groups}" if grouped else ""
     kinds = ", ".join(dict.fromkeys(s.op for s in plan.reductions))
     ops_desc = ", ".join(dict.fromkeys(plan.ops))
@@ -1444,7 +1651,7 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
 Ops: {ops_desc}; row reductions: {kinds} ({plan.levels} level(s)); output: {out_desc}, {plan.out_dtype}.
 Operands: {operand_desc}.
 One program per ROWS rows: the whole row in registers when it fits in MAX_SINGLE columns, else one
-CHUNK-column loop per reduction level (online max/sum, merged moments) and one that writes.
+CHUNK-column loop per reduction level (online max/sum, merged moments) and one that writes.{split_doc}
 Accumulation in {plan.compute_dtype}; every size is read at run time.
 """
 
@@ -1460,7 +1667,7 @@ MAX_SINGLE = {p["MAX_SINGLE"]}
 CHUNK = {p["CHUNK"]}
 TILE = {p["TILE"]}
 NUM_WARPS = {p["num_warps"]}
-DTYPE = torch.{plan.out_dtype}{groups_const}
+DTYPE = torch.{plan.out_dtype}{groups_const}{split_consts}
 {helpers}
 
 @triton.jit
@@ -1478,7 +1685,7 @@ def row_reduction_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
-    FLAT_ROWS: tl.constexpr,{mode_args}
+    FLAT_ROWS: tl.constexpr,{mode_args}{split_args}
 ):
 {kernel_body}
 {reduce_kernel}
@@ -1514,7 +1721,7 @@ def _coalesce(lead, strides):
     return [1] * pad + dims, [[0] * pad + s for s in strides], len(dims) <= 1
 
 
-{grouped_helper}def _pow2_at_most(x, cap):
+{grouped_helper}{split_helper}def _pow2_at_most(x, cap):
     return max(1, min(cap, 1 << (max(1, int(x)).bit_length() - 1)))
 
 
@@ -1532,10 +1739,7 @@ def row_reduction({", ".join(args)}):
     block = max(16, triton.next_power_of_2(n_cols)) if single else CHUNK
     rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
     warps = _pow2_at_most(NUM_WARPS * rows_per_program * block // TILE, 16) if rows_per_program * block > TILE else NUM_WARPS
-    grid = lambda META: (triton.cdiv(n_rows, META["ROWS"]),)
-    row_reduction_kernel[grid](
-{chr(10).join(launch)}
-    ){finish}
+{launch}{finish}
 
 
 {CONTAINER_SOURCE}
