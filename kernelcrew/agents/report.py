@@ -19,6 +19,7 @@ from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.knowledge import record_best
 from kernelcrew.agents.profiler import assess_subject
 from kernelcrew.agents.state import CrewState
+from kernelcrew.tools.packaging import custom_op_name, packable, package
 from kernelcrew.tools.roofline import sol_fraction, sol_fractions
 from kernelcrew.tools.timing import compile_medians
 
@@ -62,8 +63,11 @@ def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         "hits": [{k: h[k] for k in ("id", "match", "why", "line")} for h in state.kb_hits or []],
         "recorded": recorded,
     }
+    best_py = None
+    if best is not None:
+        best_py, report["best"]["packaging"] = deliverable(best.source, best.source_kind)
     if ctx.out_dir is not None:
-        write_report(ctx.out_dir, report, best.source if best else None)
+        write_report(ctx.out_dir, report, best_py)
     ctx.emit("done", status=report["status"], stop_reason=state.stop_reason, best=report["best"])
     return {"report": report, "status": report["status"]}
 
@@ -146,6 +150,17 @@ def _roofline(base: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
     if final.get("best_ms"):
         fractions["best"] = sol_fraction(floor_ms, final["best_ms"])
     return {"work": base.get("work"), "floor": floor, "peaks": base.get("peaks"), "sol_fraction": fractions}
+
+
+def deliverable(source: str, source_kind: str) -> tuple[str, dict[str, Any]]:
+    """``best.py`` and how it is packaged: own Triton kernels behind one ``torch.library.custom_op``
+    (so a user's ``torch.compile(fullgraph=True)`` takes the module whole); library and compiler
+    candidates as they are."""
+    ok, why = packable(source) if source_kind == "kernel" else (False, f"a {source_kind} candidate")
+    if not ok:
+        return source, {"custom_op": None, "why": why}
+    packaged = package(source)
+    return packaged, {"custom_op": custom_op_name(packaged), "why": "own Triton kernels"}
 
 
 def write_report(out_dir: Path, report: dict[str, Any], best_source: str | None) -> None:
@@ -278,6 +293,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                 else "no candidate passed verification |"
             )
         )
+    custom_op = ((best or {}).get("packaging") or {}).get("custom_op")
+    if custom_op:
+        lines += [
+            "",
+            f"`best.py` registers its forward as the custom op `{custom_op}`: it works inside `torch.compile`.",
+        ]
     lines += _roofline_lines(report) + _ncu_lines(report)
     lines += [
         "",

@@ -22,6 +22,7 @@ from kernelcrew.agents.graph import compile_graph, sqlite_checkpointer
 from kernelcrew.agents.state import CrewState, Options
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.task import TaskError, check_source, read_source
+from kernelcrew.tools.packaging import unpack
 
 
 @dataclass
@@ -215,7 +216,8 @@ def _new_state(req: OptimizeRequest, backend: str, s: Settings) -> CrewState:
     check_source(source, "task", str(req.task))
     start_source = None
     if req.start is not None:
-        start_source = read_source(req.start)
+        # a best.py of an earlier run starts as the kernels it verified, without its packaging
+        start_source, _ = unpack(read_source(req.start), str(req.start))
         check_source(start_source, "candidate", str(req.start))
     device = req.device or "cpu"
     opts = Options(

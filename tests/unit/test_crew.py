@@ -19,6 +19,7 @@ from kernelcrew.agents.run import OptimizeRequest, run_optimize
 from kernelcrew.agents.state import Candidate
 from kernelcrew.config import Settings
 from kernelcrew.tools.correctness import verify
+from kernelcrew.tools.packaging import MARKER, custom_op_name, unpack
 from tests.conftest import FIXTURES
 
 POINTWISE = FIXTURES / "tasks" / "pointwise.py"
@@ -82,6 +83,26 @@ def test_best_py_passes_the_verifier_again(playbook_run):
     _, out, _ = playbook_run
     verdict = verify(POINTWISE.read_text(), (out / "best.py").read_text())
     assert verdict.passed and verdict.kind == "kernel"
+    assert "packaging" in [c["name"] for c in verdict.checks], "best.py carries its torch.compile packaging"
+
+
+def test_best_py_of_an_own_kernel_is_a_custom_op(playbook_run):
+    report, out, _ = playbook_run
+    op = report["best"]["packaging"]["custom_op"]
+    assert op and op.startswith("kernelcrew_") and op.endswith("::forward")
+    assert custom_op_name((out / "best.py").read_text()) == op
+    assert f"`{op}`" in (out / "report.md").read_text()
+
+
+def test_a_run_starts_from_an_earlier_best_py_without_its_packaging(playbook_run, tmp_path):
+    """--start with a packaged best.py: the kernels are the start, the block is not carried along."""
+    _, out, s = playbook_run
+    report = run_optimize(request(start=out / "best.py", max_iters=1, out=tmp_path / "again"), settings=s)
+    first = report["iterations"][0]
+    assert first["verdict"] == "pass", first
+    best_py = (tmp_path / "again" / "best.py").read_text()
+    assert best_py.count(MARKER) == 1 and unpack(best_py)[0] == unpack((out / "best.py").read_text())[0]
+    assert report["best"]["packaging"]["custom_op"] == custom_op_name(best_py), "packaged by this run"
 
 
 def test_finished_run_continues_with_a_message(playbook_run):

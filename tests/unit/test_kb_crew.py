@@ -15,6 +15,7 @@ from kernelcrew.agents.run import OptimizeRequest, run_optimize
 from kernelcrew.agents.state import Candidate, CrewState, Options
 from kernelcrew.config import Settings
 from kernelcrew.knowledge_base import KnowledgeBase
+from kernelcrew.tools.packaging import unpack
 from tests.conftest import FIXTURES
 
 TASKS = FIXTURES / "tasks"
@@ -45,9 +46,8 @@ def test_finalize_records_the_verified_best_as_a_labelled_cpu_win(first_job):
     assert win["strategy"] == "fused_pointwise" and win["source"] == "verified"
     assert (win["gpu_model"], win["arch"], win["clock"]) == ("cpu", "cpu", "cpu-wall")
     assert win["signature"].startswith("ops=mul>add>tanh | dtypes=float32 | shape=2d rows=32 x cols=64")
-    assert (
-        win["params"] == report["best"]["params"]
-        and win["candidate_source"] == (root / "o1" / "best.py").read_text()
+    assert win["params"] == report["best"]["params"] and (win["candidate_source"], True) == unpack(
+        (root / "o1" / "best.py").read_text()
     )
     assert win["before_ms"] == report["best"]["eager_ms"] and win["after_ms"] == report["best"]["best_ms"]
     assert "this run's win: inserted" in (root / "o1" / "report.md").read_text()
