@@ -165,6 +165,22 @@ def test_untraceable_forward_is_reported(analyses):
     assert [s.name for s, _ in applicable(flow)] == ["torch_compile", "torch_compile_max_autotune"]
 
 
+def test_shape_arithmetic_is_traced_at_the_examples_shapes_only():
+    """torch.ones(seq, seq) and math.sqrt(q.shape[-1]) defeat the symbolic tracer; the MetaTracer
+    follows them with the example's sizes as constants. Kernels generated from that graph would be
+    for those sizes only, so only the strategy that re-traces per input signature takes it."""
+    causal = local_analysis((FIXTURES / "tasks" / "attention_causal.py").read_text())
+    assert not causal.traced and causal.traced_at_shapes
+    assert "ones()" in causal.trace_error
+    assert causal.op_sequence[-4:] == ["bitwise_not", "masked_fill", "softmax", "matmul"]
+    assert [s.name for s, _ in applicable(causal)] == [
+        "sdpa_attention",
+        "torch_compile",
+        "torch_compile_max_autotune",
+    ]
+    assert "could not be traced" in explain_pointwise(causal)
+
+
 def test_analyze_raises_task_error_with_the_childs_message():
     broken = CONTROL_FLOW.replace(
         "def get_inputs():\n    return [torch.randn(4, 5)]", "def get_inputs():\n    return 3"
@@ -621,11 +637,12 @@ def test_menu(analyses):
         generate("fused_pointwise", TASKS["softmax"].read_text(), analyses["softmax"])
 
 
-@pytest.mark.parametrize("name", ["attention_bias", "attention_masked"])
+@pytest.mark.parametrize("name", ["attention_bias", "attention_masked", "attention_causal"])
 def test_spelled_out_attention_becomes_sdpa_and_verifies(name):
     """A scale with an additive bias, and a projection, a division and a -inf boolean mask with a
-    residual after it: each site is replaced, the rest of the graph still runs, and the verifier
-    passes it as a library candidate."""
+    residual after it, and a causal mask and scale computed from the inputs' shapes (traced at
+    each input signature's shapes): each site is replaced, the rest of the graph still runs, and
+    the verifier passes it as a library candidate."""
     source = (FIXTURES / "tasks" / f"{name}.py").read_text()
     analysis = local_analysis(source)
     assert "sdpa_attention" in [s.name for s, _ in applicable(analysis)]

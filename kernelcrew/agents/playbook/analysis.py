@@ -6,6 +6,13 @@ puts the model in ``eval()`` (as the verifier runs it), traces it with ``torch.f
 and propagates shapes with ``ShapeProp`` (on fake tensors, falling back to the real ones). The
 result is plain JSON, wrapped in :class:`TaskAnalysis` on the parent side.
 
+A forward that does arithmetic on its inputs' shapes (``torch.ones(x.shape[-2], ...)``,
+``math.sqrt(q.size(-1))``) defeats the symbolic tracer. It is then traced again with fx's
+``MetaTracer``, which runs each op on meta tensors so that shapes are numbers: the graph holds the
+example's sizes as constants. ``traced`` stays False (kernels generated from such a graph would be
+those sizes' only) and ``traced_at_shapes`` says the nodes are there; a strategy that traces the
+module again for every input signature at run time (the attention rewrite) may use them.
+
 Node records: ``name``, ``kind`` (fx's op: ``placeholder``, ``get_attr``, ``call_function``,
 ``call_method``, ``call_module``, ``output``), ``op`` (the normalized name: ``add``, ``gelu``,
 ``linear``, ... the same for ``torch.add``, ``operator.add``, ``x.add(...)``; ``input`` for a
@@ -163,6 +170,11 @@ class TaskAnalysis:
         return bool(self.data.get("traced"))
 
     @property
+    def traced_at_shapes(self) -> bool:
+        """Only a trace at the example's shapes worked (their sizes are constants in the graph)."""
+        return bool(self.data.get("traced_at_shapes"))
+
+    @property
     def trace_error(self) -> str:
         return self.data.get("trace_error", "")
 
@@ -309,15 +321,25 @@ def analyze_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         gm = _trace(model)
     except Exception as exc:
         result["trace_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        result["inputs"] = _describe_inputs(inputs, [])
-        result["outputs"] = _eager_outputs(model, inputs, result["notes"])
-        return result
+        try:
+            gm = trace_at_shapes(model, inputs)
+        except Exception as meta_exc:
+            result["notes"].append(
+                f"tracing at the example's shapes failed too: {type(meta_exc).__name__}: {meta_exc}"[:500]
+            )
+            result["inputs"] = _describe_inputs(inputs, [])
+            result["outputs"] = _eager_outputs(model, inputs, result["notes"])
+            return result
+        result["traced_at_shapes"] = True
+        result["notes"].append(
+            "traced at the example's shapes (MetaTracer): its sizes are constants in the graph"
+        )
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     result["inputs"] = _describe_inputs(inputs, [str(n.target) for n in placeholders])
     result["forward_args"] = [_forward_arg(n) for n in placeholders]
     _propagate_shapes(gm, inputs, result["notes"])
-    result["traced"] = True
+    result["traced"] = not result.get("traced_at_shapes")
     owners = {
         "modules": dict(gm.named_modules()),
         "parameters": dict(gm.named_parameters(remove_duplicate=False)),
@@ -344,6 +366,25 @@ def _trace(model: Any) -> Any:
     tracer = torch.fx.Tracer()
     tracer.proxy_buffer_attributes = True
     graph = tracer.trace(model)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def trace_at_shapes(model: Any, inputs: list[Any]) -> Any:
+    """fx's ``MetaTracer`` on ``inputs``' shapes (meta tensors: nothing computed), buffers as graph
+    inputs; non-tensor inputs are constants. The attention candidate carries the same function
+    (candidates import nothing of kernelcrew), so the graphs it traces at run time name their nodes
+    as this one does."""
+    import inspect
+
+    import torch
+    from torch.fx.experimental.meta_tracer import MetaTracer
+
+    names = list(inspect.signature(model.forward).parameters)[: len(inputs)]
+    meta = {n: x.to("meta") for n, x in zip(names, inputs, strict=False) if isinstance(x, torch.Tensor)}
+    concrete = {n: x for n, x in zip(names, inputs, strict=False) if not isinstance(x, torch.Tensor)}
+    tracer = MetaTracer()
+    tracer.proxy_buffer_attributes = True
+    graph = tracer.trace(model, meta_args=meta, concrete_args=concrete or None)
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 

@@ -12,8 +12,10 @@ V)`` where ``X`` is the scores ``matmul(Q, K.transpose(-2, -1))``, optionally sc
 reference (renamed ``_Reference``, as the compiler strategy does), traces its forward with
 ``torch.fx`` on the first call for each input signature, replaces each site's nodes by one
 ``scaled_dot_product_attention`` node (``attn_mask`` = the bias, or the negated mask) and runs
-the rewritten graph; everything around the sites runs as written. A task the tracer cannot follow
-(shape arithmetic on traced values, data-dependent control flow) gets no candidate here.
+the rewritten graph; everything around the sites runs as written. A forward that computes from its
+inputs' shapes (a causal mask ``torch.ones(seq, seq).tril()``, a scale ``1 / math.sqrt(d)``) is
+traced with fx's ``MetaTracer`` at each input signature's shapes instead, as the analysis did, and
+the scale is read from that graph. Data-dependent control flow gets no candidate here.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _site(a: TaskAnalysis, out: dict[str, Any]) -> dict[str, Any]:
             raise Unsupported(f"{x['name']}: the mask is not a boolean tensor of the graph")
         chain.append(x["name"])
         x = _node(a, _ref(x["args"][0]))
-    site["scale"] = 1.0
+    site["scale"], site["scale_node"] = 1.0, None
     if x.get("op") in ("mul", "div"):
         first, second = x["args"][:2]
         number = second if _ref(first) else first
@@ -95,6 +97,7 @@ def _site(a: TaskAnalysis, out: dict[str, Any]) -> dict[str, Any]:
         if x["op"] == "div" and not _ref(first):
             raise Unsupported(f"{x['name']}: a constant divided by the scores is no scale")
         site["scale"] = float(number) if x["op"] == "mul" else 1.0 / float(number)
+        site["scale_node"] = x["name"]  # re-read at run time: traced at shapes, it follows the head dim
         chain.append(x["name"])
         x = _node(a, _ref(first) or _ref(second))
     if x.get("op") != "matmul":
@@ -119,7 +122,7 @@ def _site(a: TaskAnalysis, out: dict[str, Any]) -> dict[str, Any]:
 
 def match(analysis: TaskAnalysis) -> tuple[AttentionPlan | None, str]:
     """``(plan, why it applies)`` or ``(None, why not)``: the playbook's strategy protocol."""
-    if not analysis.traced:
+    if not (analysis.traced or analysis.traced_at_shapes):
         return None, f"the module could not be traced with torch.fx: {analysis.trace_error}"
     sites, reasons = [], []
     for node in analysis.call_nodes():
@@ -150,14 +153,20 @@ def tuning_space(plan: AttentionPlan, arch: str) -> list[dict[str, Any]]:
 
 def generate(task_source: str, analysis: TaskAnalysis, plan: AttentionPlan, params: dict[str, Any]) -> str:
     """The candidate: the reference's own graph with each attention site replaced by SDPA."""
-    del analysis
     if params:
         raise ValueError(f"the attention rewrite takes no parameters, got {sorted(params)}")
     reference = reference_source(task_source)
     signature, call = _forward_signature(task_source)
     sites = repr([dict(site) for site in plan.sites])
+    tracer = "trace_at_shapes(self, list(args))" if analysis.traced_at_shapes else "_trace(self)"
     source = TEMPLATE.format(
-        reference=reference, name=REFERENCE_NAME, sites=sites, signature=signature, call=call
+        reference=reference,
+        name=REFERENCE_NAME,
+        sites=sites,
+        signature=signature,
+        call=call,
+        tracer=tracer,
+        arg_names=[n.strip() for n in call.split(",") if n.strip()],
     )
     return checked_copy(source)
 
@@ -186,11 +195,38 @@ ModelNew inherits its parameters and buffers and runs the rewritten graph of its
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.meta_tracer import MetaTracer
 
 {reference}
 
 
 SITES = {sites}
+ARG_NAMES = {arg_names!r}  # the forward's parameters after self
+
+
+def _trace(module):
+    return torch.fx.Tracer().trace(module)
+
+
+def trace_at_shapes(module, args):
+    """The forward traced on meta tensors of ``args``' shapes: sizes are constants, so a graph per
+    input signature (the analysis traced the task this way too)."""
+    names = ARG_NAMES[: len(args)]
+    meta = {{n: a.to("meta") for n, a in zip(names, args) if torch.is_tensor(a)}}
+    concrete = {{n: a for n, a in zip(names, args) if not torch.is_tensor(a)}}
+    tracer = MetaTracer()
+    tracer.proxy_buffer_attributes = True
+    return tracer.trace(module, meta_args=meta, concrete_args=concrete or None)
+
+
+def _scale(node, default):
+    """The constant a scale node multiplies (or divides) the scores by, in this graph."""
+    if node is None:
+        return default
+    number = next((a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+    if number is None:
+        raise RuntimeError(f"{{node.name}} does not scale by a constant in this graph")
+    return float(number) if "mul" in str(node.target) else 1.0 / float(number)
 
 
 def _rewrite(graph_module):
@@ -202,6 +238,7 @@ def _rewrite(graph_module):
         if missing:
             raise RuntimeError(f"the traced graph has no node(s) {{missing}}: the rewrite does not apply")
         out = nodes[site["out"]]
+        scale = _scale(nodes[site["scale_node"]] if site.get("scale_node") else None, site["scale"])
         with graph.inserting_before(out):
             mask = None
             if site["bias"]:
@@ -211,7 +248,7 @@ def _rewrite(graph_module):
             fused = graph.call_function(
                 F.scaled_dot_product_attention,
                 (nodes[site["q"]], nodes[site["k"]], nodes[site["v"]]),
-                {{"attn_mask": mask, "scale": site["scale"]}},
+                {{"attn_mask": mask, "scale": scale}},
             )
         out.replace_all_uses_with(fused)
         graph.erase_node(out)
@@ -238,7 +275,7 @@ class ModelNew({name}):
         if key not in self._graphs:
             self._tracing = True
             try:
-                graph = torch.fx.Tracer().trace(self)
+                graph = {tracer}
             finally:
                 self._tracing = False
             self._graphs[key] = _rewrite(torch.fx.GraphModule(self, graph))
