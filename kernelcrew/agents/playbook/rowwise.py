@@ -900,8 +900,8 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     iteration of the multi-pass loop; ``TILE``: the elements one program covers when rows are short
     (``ROWS = TILE // BLOCK_N`` rows per program); ``num_warps``: the warps of a ``TILE``-element
     block (scaled with the block); ``SPLIT_PER_SM``: when a launch of multi-pass rows would have
-    fewer programs than this many per SM, each row is split over several (0: never). One configuration for the CPU interpreter, where big blocks mean
-    fewer interpreted programs.
+    fewer programs than this many per SM, each row is split over several (0: never). One
+    configuration for the CPU interpreter, where big blocks mean fewer interpreted programs.
     """
     cls = arch_class(arch)
     if cls == "cpu":
@@ -926,9 +926,7 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     if plan.compute_dtype == "float64" or len([x for x in plan.layouts if x == "row"]) > 3:
         configs = [c for c in configs if c[0] <= 8192]  # more live tiles: keep rows shorter in registers
     space = [{"MAX_SINGLE": s, "CHUNK": c, "TILE": t, "num_warps": w} for s, c, t, w in configs]
-    if splittable(
-        plan
-    ):  # few long rows split over programs by default; the first config without, measured too
+    if splittable(plan):  # rows split by default (SPLIT_PER_SM 16); the first config unsplit too
         space.append({**space[0], "SPLIT_PER_SM": 0})
     return space
 
