@@ -20,7 +20,7 @@ import ast
 import hashlib
 import re
 
-from kernelcrew.task import TaskError, parse_python
+from kernelcrew.task import MAX_SOURCE_BYTES, TaskError, parse_python
 
 MARKER = "# --- kernelcrew: torch.compile packaging (generated; `kernelcrew verify` checks it) ---"
 
@@ -174,11 +174,15 @@ def unpack(source: str, path: str = "candidate.py") -> tuple[str, bool]:
     Raises :class:`TaskError` when the block is there but is not exactly what kernelcrew writes for
     the rest of the file (edited, or appended to another file), so it cannot carry unverified code.
     """
-    if MARKER not in source:
-        return source, False
+    if MARKER not in source or len(source.encode()) > MAX_SOURCE_BYTES:
+        return source, False  # nothing to take off, or a file the source checks refuse anyway
     at = source.find("\n\n\n" + MARKER)
     base = source[: at + 1] if at >= 0 else ""
-    if at < 0 or source.rstrip("\n") + "\n" != base + block(base):
+    try:
+        expected = base + block(base) if at >= 0 else None
+    except SyntaxError as exc:
+        raise TaskError(f"syntax error: {exc.msg}", path=path, line=exc.lineno) from exc
+    if source.rstrip("\n") + "\n" != expected:
         raise TaskError(
             "the torch.compile packaging block differs from the one kernelcrew writes for this file "
             "(edited, or copied from another best.py): remove it to verify the kernels",

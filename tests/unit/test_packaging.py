@@ -69,6 +69,9 @@ def test_an_edited_or_moved_block_is_refused(sources):
     for bad in (edited, moved, inside):
         with pytest.raises(TaskError, match="packaging block"):
             unpack(bad, "best.py")
+    broken = "class ModelNew(:\n" + packaged[packaged.index("\n\n\n" + MARKER) :]
+    with pytest.raises(TaskError, match="syntax error"):
+        unpack(broken, "best.py")
 
 
 def test_verify_takes_the_block_off_and_refuses_an_edited_one(sources):
