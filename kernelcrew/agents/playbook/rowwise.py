@@ -1011,6 +1011,26 @@ class _KernelWriter:
     def is_row(self, s: Step) -> bool:
         return s.op not in REDUCTIONS and self.plan.spaces.get(f"t:{s.out}") == "row"
 
+    def per_row_steps(self, level: int) -> list[Step]:
+        """The per-row (not per-element) pointwise steps computed once the reductions of ``level``
+        are done (level 0: from per-row operands alone, before any pass)."""
+        plan = self.plan
+        return [
+            s
+            for s in plan.steps
+            if s.op not in REDUCTIONS and not self.is_row(s) and plan.stages[f"t:{s.out}"] == level
+        ]
+
+    def chunk(self, values: list[tuple[str, Any]]) -> list[str]:
+        """The body of a column loop over ``start`` up to ``values``: the chunk's columns, its loads
+        and the per-element steps that lead to them."""
+        operands, steps = self.row_closure(values)
+        return (
+            self.chunk_header("start")
+            + [line for i in operands for line in self.load_row(i)]
+            + self.emitter.section(steps)
+        )
+
     # --- pieces ----------------------------------------------------------------------------------
     def load_row(self, i: int) -> list[str]:
         op = self.plan.operands[i]
@@ -1242,11 +1262,7 @@ class _KernelWriter:
             lines.append("# per-row operands")
             lines += [self.load_red(i) for i in red_ops]
         # per-row math of operands only (stage 0): computed once, before any pass
-        early = [
-            s
-            for s in plan.steps
-            if s.op not in REDUCTIONS and not self.is_row(s) and plan.stages[f"t:{s.out}"] == 0
-        ]
+        early = self.per_row_steps(0)
         lines += self.emitter.section(early)
         lines.append("if SINGLE_PASS:  # the whole row in registers: read once, write once")
         lines += [f"    {line}" for line in self.single_pass(early)]
@@ -1316,37 +1332,21 @@ class _KernelWriter:
         lines: list[str] = []
         for level in range(1, plan.levels + 1):
             reductions = [s for s in plan.reductions if plan.stages[_outs(s)[0]] == level]
-            operands, steps = self.row_closure([s.args[0] for s in reductions])
             lines.append(f"# pass {level}: {', '.join(s.op for s in reductions)}")
             for s in reductions:
                 lines += self.reduce_init(s)
             lines.append("for start in range(0, n_cols, BLOCK_N):")
-            inner = (
-                self.chunk_header("start")
-                + [line for i in operands for line in self.load_row(i)]
-                + self.emitter.section(steps)
-            )
+            inner = self.chunk([s.args[0] for s in reductions])
             for s in reductions:
                 inner += self.reduce_update(s)
             lines += [f"    {line}" for line in inner]
             for s in reductions:
                 lines += self.reduce_final(s)
-            after = [
-                s
-                for s in plan.steps
-                if s.op not in REDUCTIONS and not self.is_row(s) and plan.stages[f"t:{s.out}"] == level
-            ]
-            lines += self.emitter.section(after)
+            lines += self.emitter.section(self.per_row_steps(level))
         if plan.result_layout == "row":
-            operands, steps = self.row_closure([plan.result])
             lines.append(f"# pass {plan.levels + 1}: the output")
             lines.append("for start in range(0, n_cols, BLOCK_N):")
-            inner = (
-                self.chunk_header("start")
-                + [line for i in operands for line in self.load_row(i)]
-                + self.emitter.section(steps)
-            )
-            lines += [f"    {line}" for line in inner + self.store()]
+            lines += [f"    {line}" for line in self.chunk([plan.result]) + self.store()]
         else:
             lines += self.store()
         return lines
@@ -1354,10 +1354,28 @@ class _KernelWriter:
     def split_pass(self) -> list[str]:
         """Few long rows: each of SPLITS programs reduces one part of a row and stores its partial
         states (PHASE 1); a second launch merges a row's states and writes each part (PHASE 2)."""
-        plan = self.plan
-        reductions = plan.reductions
-        operands, steps = self.row_closure([s.args[0] for s in reductions])
-        lines = [
+        reductions = self.plan.reductions
+        phase1: list[str] = []
+        for s in reductions:
+            phase1 += self.reduce_init(s)
+        inner = self.chunk([s.args[0] for s in reductions])
+        for s in reductions:
+            inner += self.reduce_update(s)
+        phase1 += ["for start in range(lo, hi, BLOCK_N):", *(f"    {line}" for line in inner)]
+        phase2 = ["parts = tl.arange(0, SPLITS)"]
+        slot = 0
+        for s in reductions:  # each partial state in its slot of the workspace
+            phase2 += self.merge(s, slot)
+            for value in self.partials(s):
+                phase1.append(
+                    f"tl.store(ws_ptr + ({slot} * n_rows + rows[:, None]) * SPLITS + split, {value}, "
+                    "mask=rmask[:, None])"
+                )
+                slot += 1
+        phase2 += self.emitter.section(self.per_row_steps(1))
+        phase2.append("for start in range(lo, hi, BLOCK_N):")
+        phase2 += [f"    {line}" for line in self.chunk([self.plan.result]) + self.store()]
+        return [
             "split = tl.program_id(1)",
             "if PHASE == 2:",
             "    split = SPLITS - 1 - split",
@@ -1365,47 +1383,10 @@ class _KernelWriter:
             "lo = split * span",
             "hi = tl.minimum(lo + span, n_cols)",
             "if PHASE == 1:",
+            *(f"    {line}" for line in phase1),
+            "else:",
+            *(f"    {line}" for line in phase2),
         ]
-        inner = (
-            self.chunk_header("start")
-            + [line for i in operands for line in self.load_row(i)]
-            + self.emitter.section(steps)
-        )
-        phase1: list[str] = []
-        for s in reductions:
-            phase1 += self.reduce_init(s)
-        phase1.append("for start in range(lo, hi, BLOCK_N):")
-        for s in reductions:
-            inner += self.reduce_update(s)
-        phase1 += [f"    {line}" for line in inner]
-        phase2 = ["parts = tl.arange(0, SPLITS)"]
-        slot = 0
-        for s in reductions:
-            for value in self.partials(s):
-                phase1.append(
-                    f"tl.store(ws_ptr + ({slot} * n_rows + rows[:, None]) * SPLITS + split, {value}, "
-                    "mask=rmask[:, None])"
-                )
-                slot += 1
-        slot = 0
-        for s in reductions:
-            phase2 += self.merge(s, slot)
-            slot += len(self.partials(s))
-        after = [
-            s
-            for s in plan.steps
-            if s.op not in REDUCTIONS and not self.is_row(s) and plan.stages[f"t:{s.out}"] == 1
-        ]
-        phase2 += self.emitter.section(after)
-        operands, steps = self.row_closure([plan.result])
-        phase2.append("for start in range(lo, hi, BLOCK_N):")
-        inner = (
-            self.chunk_header("start")
-            + [line for i in operands for line in self.load_row(i)]
-            + self.emitter.section(steps)
-        )
-        phase2 += [f"    {line}" for line in inner + self.store()]
-        return [*lines, *(f"    {line}" for line in phase1), "else:", *(f"    {line}" for line in phase2)]
 
     def n_partials(self) -> int:
         return sum(len(self.partials(s)) for s in self.plan.reductions)
