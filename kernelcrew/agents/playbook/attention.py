@@ -156,7 +156,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AttentionPlan, para
     if params:
         raise ValueError(f"the attention rewrite takes no parameters, got {sorted(params)}")
     reference = reference_source(task_source)
-    signature, call = _forward_signature(task_source)
+    signature, names = _forward_signature(task_source)
     sites = repr([dict(site) for site in plan.sites])
     tracer = "trace_at_shapes(self, list(args))" if analysis.traced_at_shapes else "_trace(self)"
     source = TEMPLATE.format(
@@ -164,17 +164,17 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AttentionPlan, para
         name=REFERENCE_NAME,
         sites=sites,
         signature=signature,
-        call=call,
+        call=", ".join(names),
         tracer=tracer,
-        arg_names=[n.strip() for n in call.split(",") if n.strip()],
+        arg_names=names,
     )
     return checked_copy(source)
 
 
-def _forward_signature(task_source: str) -> tuple[str, str]:
-    """The reference forward's parameters (as written, defaults included) and the call passing them
-    on: the candidate's forward must have them so that tracing it names the nodes as the analysis
-    did."""
+def _forward_signature(task_source: str) -> tuple[str, list[str]]:
+    """The reference forward's parameters (as written, defaults included) and their names after
+    ``self``: the candidate's forward must have them so that tracing it names the nodes as the
+    analysis did."""
     tree = parse_python(task_source)
     model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
     forward = next(n for n in model.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
@@ -184,7 +184,7 @@ def _forward_signature(task_source: str) -> tuple[str, str]:
     for arg in params.args:
         arg.annotation = None
     names = [arg.arg for arg in params.args[1:]]
-    return ast.unparse(params), ", ".join(names)
+    return ast.unparse(params), names
 
 
 TEMPLATE = '''"""Attention rewrite (kernelcrew playbook): the task's graph with softmax(q @ k^T) @ v replaced by
@@ -195,7 +195,6 @@ ModelNew inherits its parameters and buffers and runs the rewritten graph of its
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.experimental.meta_tracer import MetaTracer
 
 {reference}
 
@@ -211,6 +210,8 @@ def _trace(module):
 def trace_at_shapes(module, args):
     """The forward traced on meta tensors of ``args``' shapes: sizes are constants, so a graph per
     input signature (the analysis traced the task this way too)."""
+    from torch.fx.experimental.meta_tracer import MetaTracer
+
     names = ARG_NAMES[: len(args)]
     meta = {{n: a.to("meta") for n, a in zip(names, args) if torch.is_tensor(a)}}
     concrete = {{n: a for n, a in zip(names, args) if not torch.is_tensor(a)}}
@@ -219,10 +220,8 @@ def trace_at_shapes(module, args):
     return tracer.trace(module, meta_args=meta, concrete_args=concrete or None)
 
 
-def _scale(node, default):
+def _scale(node):
     """The constant a scale node multiplies (or divides) the scores by, in this graph."""
-    if node is None:
-        return default
     number = next((a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
     if number is None:
         raise RuntimeError(f"{{node.name}} does not scale by a constant in this graph")
@@ -238,7 +237,7 @@ def _rewrite(graph_module):
         if missing:
             raise RuntimeError(f"the traced graph has no node(s) {{missing}}: the rewrite does not apply")
         out = nodes[site["out"]]
-        scale = _scale(nodes[site["scale_node"]] if site.get("scale_node") else None, site["scale"])
+        scale = _scale(nodes[site["scale_node"]]) if site["scale_node"] else site["scale"]
         with graph.inserting_before(out):
             mask = None
             if site["bias"]:
