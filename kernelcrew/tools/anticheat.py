@@ -393,8 +393,26 @@ def snapshot_state(candidate_files: tuple[str, ...] = ()) -> dict[str, Any]:
         ),
     }
     for name, fn in _harness_functions().items():
-        state[f"id:{name}"] = id(fn)
+        state[f"id:{name}"] = fn  # compared by identity
     return state
+
+
+def _dynamo_wrapper_of(new: Any, old: Any) -> bool:
+    """Whether ``new`` is ``torch._disable_dynamo(old)``: importing ``torch._dynamo`` puts that wrapper on
+    ``torch.manual_seed`` in place, and a candidate may import it late (``torch.compile``, fx tracing at
+    run time). The wrapper calls the same function with Dynamo off; a look-alike of one's own is not it."""
+    import torch
+
+    disable = getattr(torch, "_disable_dynamo", None)
+    return (
+        disable is not None
+        and getattr(new, "__wrapped__", None) is old
+        and getattr(new, "__code__", None) is getattr(disable(_dynamo_probe), "__code__", False)
+    )
+
+
+def _dynamo_probe() -> None:
+    """Only wrapped, to find the code object of ``torch._disable_dynamo``'s wrapper."""
 
 
 def state_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
@@ -402,10 +420,11 @@ def state_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     changes = []
     for key, old in before.items():
         new = after.get(key)
-        if new != old:
-            if key.startswith("id:"):
+        if key.startswith("id:"):
+            if new is not old and not _dynamo_wrapper_of(new, old):
                 changes.append(f"{key[3:]} was replaced")
-            elif key == "threads":
+        elif new != old:
+            if key == "threads":
                 changes.append(f"threads started by the candidate went from {old} to {new} (not allowed)")
             else:
                 changes.append(f"{key} changed from {old!r} to {new!r}")

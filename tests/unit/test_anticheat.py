@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -119,6 +121,32 @@ def test_state_snapshot_sees_flag_and_function_changes():
     finally:
         torch.cuda.synchronize = original
     assert state_changes(before, snapshot_state()) == []
+
+
+DYNAMO_IMPORT = """
+import functools, sys, torch
+from kernelcrew.tools.anticheat import snapshot_state, state_changes
+assert "torch._dynamo" not in sys.modules
+before = snapshot_state()
+import torch._dynamo  # wraps torch.manual_seed in torch._disable_dynamo, in place
+assert state_changes(before, snapshot_state()) == [], state_changes(before, snapshot_state())
+wrapped = torch.manual_seed
+torch.manual_seed = functools.wraps(wrapped.__wrapped__)(lambda *a, **k: None)
+own = state_changes(before, snapshot_state())
+torch.manual_seed = torch._disable_dynamo(lambda *a, **k: None)
+other = state_changes(before, snapshot_state())
+torch.manual_seed = wrapped
+print(own, other)
+assert own == other == ["torch.manual_seed was replaced"]
+"""
+
+
+def test_importing_dynamo_late_is_no_state_change_but_a_wrapper_of_ones_own_is():
+    """A candidate may import ``torch._dynamo`` lazily (``torch.compile``, fx tracing at run time): its
+    import wraps ``torch.manual_seed`` in ``torch._disable_dynamo``, which calls the same function.
+    Any other replacement, a look-alike wrapper included, is still a change."""
+    res = subprocess.run([sys.executable, "-c", DYNAMO_IMPORT], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_op_trace_and_kind():
