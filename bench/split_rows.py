@@ -20,6 +20,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from kernelcrew.agents.playbook.rowwise import generate_rowwise, match, tuning_s
 from kernelcrew.task import import_source, load_task  # noqa: E402
 
 TASKS = [ROOT / "bench/suite/groupnorm_silu_fp16.py", ROOT / "bench/kb/groupnorm_silu_unet_bf16.py"]
+WORK = Path(tempfile.mkdtemp(prefix="split_rows_"))
 REPEATS = 5  # do_bench medians per variant; the spread is over these
 
 
@@ -101,7 +103,11 @@ def run_task(path: Path, sms: int) -> dict:
             candidate = generate_rowwise(analysis, plan, params)
             entry = {"params": params, "variants": {}}
             for name, text in variants(candidate, sms).items():
-                module = import_source(text, f"split_{path.stem}_{i}_{name}", f"split_{i}_{name}.py")
+                file = (
+                    WORK / f"split_{path.stem}_{i}_{name}.py"
+                )  # Triton reads a kernel's source from its file
+                file.write_text(text)
+                module = import_source(text, file.stem, str(file))
                 new = module.ModelNew(*task.get_init_inputs()).cuda()
                 new.load_state_dict(model.state_dict())
                 out = new(*fresh)
