@@ -54,9 +54,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def variants(candidate: str, sms: int) -> dict[str, str]:
     assert "SPLIT_TARGET = None" in candidate, "the plan cannot split its rows"
-    no_reverse = candidate.replace("    pid = tl.num_programs(0) - 1 - pid", "    pid = pid").replace(
-        "split = SPLITS - 1 - split", "split = split"
-    )
+    no_reverse = candidate.replace("    pid = tl.num_programs(0) - 1 - pid", "    pid = pid")
     assert no_reverse != candidate
     return {
         "per_row": candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 0"),

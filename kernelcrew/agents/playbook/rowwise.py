@@ -1242,6 +1242,9 @@ class _KernelWriter:
             lines += [
                 "if PHASE == 2:  # walk back: the parts the stats phase read last are still in L2",
                 "    pid = tl.num_programs(0) - 1 - pid",
+                "if SPLITS > 1:  # a row's parts are neighbouring programs, so the GPU streams memory in order",
+                "    split = pid % SPLITS",
+                "    pid = pid // SPLITS",
             ]
         lines += [
             "rows32 = pid * ROWS + tl.arange(0, ROWS)  # n_rows < 2**31: 32-bit row coordinates",
@@ -1376,9 +1379,6 @@ class _KernelWriter:
         phase2.append("for start in range(lo, hi, BLOCK_N):")
         phase2 += [f"    {line}" for line in self.chunk([self.plan.result]) + self.store()]
         return [
-            "split = tl.program_id(1)",
-            "if PHASE == 2:",
-            "    split = SPLITS - 1 - split",
             "span = ((n_cols + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole chunks per part",
             "lo = split * span",
             "hi = tl.minimum(lo + span, n_cols)",
@@ -1590,7 +1590,7 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
         ws = torch.empty(({writer.n_partials()}, n_rows, splits), dtype=WS_DTYPE, device=device)
         warps = _pow2_at_most(NUM_WARPS * block // TILE, 16) if block > TILE else NUM_WARPS
         for phase in (1, 2):
-            row_reduction_kernel[(n_rows, splits)](*views, out, ws, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
+            row_reduction_kernel[(n_rows * splits,)](*views, out, ws, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
         split_helper = SPLIT_HELPER
         split_doc = (
             "\nFew long rows are split over programs: a launch that stores each part's partial states, then one"
