@@ -7,7 +7,7 @@ states, then a second launch merges a row's states and writes each part, walking
 reverse so that the parts the first launch read last are still in L2.
 
 For each task and each tuning configuration of ``sm_90`` this script times the candidate with the
-split off, at 4, 16 (the default) and 64 programs per SM, and the default without the reverse walk;
+split off, at 4 (the default), 16 and 64 programs per SM, and at 4 without the reverse walk;
 checks every variant against a float64 reference on fresh inputs; and times eager and
 ``torch.compile`` (default mode). Writes ``split_rows.json`` and ``split_rows.md`` to OUT_DIR.
 
@@ -54,14 +54,18 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def variants(candidate: str, sms: int) -> dict[str, str]:
     assert "SPLIT_TARGET = None" in candidate, "the plan cannot split its rows"
-    no_reverse = candidate.replace("    pid = tl.num_programs(0) - 1 - pid", "    pid = pid")
-    assert no_reverse != candidate
+
+    def at(per_sm: int) -> str:
+        return candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {per_sm * sms}")
+
+    no_reverse = at(4).replace("    pid = tl.num_programs(0) - 1 - pid", "    pid = pid")
+    assert no_reverse != at(4)
     return {
-        "per_row": candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 0"),
-        "split_4_per_sm": candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {4 * sms}"),
-        "split_16_per_sm": candidate,
-        "split_64_per_sm": candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {64 * sms}"),
-        "split_16_no_reverse": no_reverse,
+        "per_row": at(0),
+        "split_4_per_sm": at(4),
+        "split_16_per_sm": at(16),
+        "split_64_per_sm": at(64),
+        "split_4_no_reverse": no_reverse,
     }
 
 
