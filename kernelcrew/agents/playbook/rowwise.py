@@ -56,6 +56,7 @@ per element and per row (a scalar weight used on both sides of a reduction) is r
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,7 @@ REDUCTIONS: dict[str, tuple[str, ...]] = {
 MERGEABLE = frozenset({"rsum", "rmean", "rmax", "rmin", "rlse", "rmoments"})
 #: Most programs one row is split over.
 MAX_SPLITS = 64
+STAT = re.compile(r"(\w+) = ")  # a statement that assigns one name
 
 #: Torch-level ops this strategy handles besides the pointwise ones.
 ROW_OPS = frozenset(
@@ -1379,8 +1381,15 @@ class _KernelWriter:
                 )
                 slot += 1
         phase2 += self.emitter.section(self.per_row_steps(1))
+        loop = self.chunk([self.plan.result]) + self.store()
+        # ROWS is 1 here: the row's statistics become scalars. As [1, 1] tensors in the layout of the
+        # workspace loads, Triton 3.6 broadcast and converted them through shared memory once per
+        # program (bench/results/split_rows_ncu: 128 registers, L1-bound output launch).
+        text = "\n".join(loop)
+        stats = dict.fromkeys(m.group(1) for m in map(STAT.match, phase2) if m and m.group(1) != "parts")
+        phase2 += [f"{name} = tl.sum({name})" for name in stats if re.search(rf"\b{name}\b", text)]
         phase2.append("for start in range(lo, hi, BLOCK_N):")
-        phase2 += [f"    {line}" for line in self.chunk([self.plan.result]) + self.store()]
+        phase2 += [f"    {line}" for line in loop]
         return [
             "span = ((n_cols + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole chunks per part",
             "lo = split * span",
