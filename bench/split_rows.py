@@ -105,9 +105,8 @@ def run_task(path: Path, sms: int) -> dict:
             candidate = generate_rowwise(analysis, plan, params)
             entry = {"params": params, "variants": {}}
             for name, text in variants(candidate, sms).items():
-                file = (
-                    WORK / f"split_{path.stem}_{i}_{name}.py"
-                )  # Triton reads a kernel's source from its file
+                # Triton reads a kernel's source from its file
+                file = WORK / f"split_{path.stem}_{i}_{name}.py"
                 file.write_text(text)
                 module = import_source(text, file.stem, str(file))
                 new = module.ModelNew(*task.get_init_inputs()).cuda()

@@ -47,7 +47,9 @@ states and writes each part, walking the programs in reverse so that the parts r
 in L2. Cross-entropy and two-level plans keep one program per row. The default, 4 programs per SM,
 is the best that ``bench/split_rows.py`` measured on the H100 (``bench/results/split_rows.md``):
 GroupNorm's 256 rows of 262144 elements in 2 parts each took 0.218 ms in the best configuration
-against 0.251 ms unsplit, while 8 or 32 parts per row were 2.7x and 9x slower than unsplit.
+against 0.251 ms unsplit, while 8 or 32 parts per row were 2.7x and 9x slower than unsplit. That
+was before the output launch took a row's statistics as scalars (``bench/results/split_rows_ncu/``
+says why it mattered); the split has not been timed since.
 
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
 per element and per row (a scalar weight used on both sides of a reduction) is refused.
@@ -1247,7 +1249,7 @@ class _KernelWriter:
             lines += [
                 "if PHASE == 2:  # walk back: the parts the stats phase read last are still in L2",
                 "    pid = tl.num_programs(0) - 1 - pid",
-                "if SPLITS > 1:  # a row's parts are neighbouring programs, so the GPU streams memory in order",
+                "if SPLITS > 1:  # a row's parts are neighbouring programs",
                 "    split = pid % SPLITS",
                 "    pid = pid // SPLITS",
             ]
