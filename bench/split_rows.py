@@ -69,7 +69,8 @@ def variants(candidate: str, sms: int) -> dict[str, str]:
     }
 
 
-def run_task(path: Path, sms: int) -> dict:
+def row_plan(path: Path):
+    """The task's source, its graph analysis and its row_reduction plan (exits when none applies)."""
     source = path.read_text()
     analysis = TaskAnalysis(
         analyze_child({"task_source": source, "task_path": str(path), "seed": 0}, Path(".")),
@@ -79,6 +80,11 @@ def run_task(path: Path, sms: int) -> dict:
     plan, reason = match(analysis)
     if plan is None:
         raise SystemExit(f"{path.name}: row_reduction does not apply: {reason}")
+    return source, analysis, plan
+
+
+def run_task(path: Path, sms: int) -> dict:
+    source, analysis, plan = row_plan(path)
     task = load_task(source, path.name)
     torch.manual_seed(0)
     model = task.model_cls(*task.get_init_inputs()).cuda().eval()

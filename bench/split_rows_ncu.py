@@ -20,8 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child  # noqa: E402
-from kernelcrew.agents.playbook.rowwise import generate_rowwise, match, tuning_space  # noqa: E402
+from bench.split_rows import row_plan  # noqa: E402
+from kernelcrew.agents.playbook.rowwise import generate_rowwise, tuning_space  # noqa: E402
 from kernelcrew.task import import_source, load_task  # noqa: E402
 
 TASK = ROOT / "bench/suite/groupnorm_silu_fp16.py"
@@ -29,15 +29,7 @@ TASK = ROOT / "bench/suite/groupnorm_silu_fp16.py"
 
 def main() -> None:
     target = int(sys.argv[1])
-    source = TASK.read_text()
-    analysis = TaskAnalysis(
-        analyze_child({"task_source": source, "task_path": str(TASK), "seed": 0}, Path(".")),
-        task_source=source,
-        task_path=str(TASK),
-    )
-    plan, reason = match(analysis)
-    if plan is None:
-        raise SystemExit(f"row_reduction does not apply: {reason}")
+    source, analysis, plan = row_plan(TASK)
     candidate = generate_rowwise(analysis, plan, tuning_space(plan, "sm_90")[0])
     candidate = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {target}")
     file = Path(tempfile.mkdtemp()) / "split_candidate.py"  # Triton reads a kernel's source from its file
