@@ -1028,31 +1028,34 @@ class _KernelWriter:
             if s.op not in REDUCTIONS and not self.is_row(s) and plan.stages[f"t:{s.out}"] == level
         ]
 
-    def chunk(self, values: list[tuple[str, Any]]) -> list[str]:
+    def chunk(self, values: list[tuple[str, Any]], evict: str = "") -> list[str]:
         """The body of a column loop over ``start`` up to ``values``: the chunk's columns, its loads
-        and the per-element steps that lead to them."""
+        (with L2 eviction hint ``evict``) and the per-element steps that lead to them."""
         operands, steps = self.row_closure(values)
         return (
             self.chunk_header("start")
-            + [line for i in operands for line in self.load_row(i)]
+            + [line for i in operands for line in self.load_row(i, evict)]
             + self.emitter.section(steps)
         )
 
     # --- pieces ----------------------------------------------------------------------------------
-    def load_row(self, i: int) -> list[str]:
+    def load_row(self, i: int, evict: str = "") -> list[str]:
+        """Load operand ``i`` per element; ``evict``: ``evict_last`` where a later pass reads the row
+        again (keep it in L2), else none."""
         op = self.plan.operands[i]
         convert = " != 0" if op.is_bool else f".to({self.acc})"
+        hint = f', eviction_policy="{evict}"' if evict else ""
         if self.plan.groups is None:
             ptr = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_sc"
-            return [f"v{i} = tl.load({ptr}, mask=mask, other=0){convert}"]
+            return [f"v{i} = tl.load({ptr}, mask=mask, other=0{hint}){convert}"]
         # GroupNorm rows: the columns are (channel, position) pairs; MODE 0 walks them flat
         flat = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_s2"
         split = f"in{i}_ptr + off{i}[:, None] + ch[None, :] * in{i}_s1 + sp[None, :] * in{i}_s2"
         return [
             f"if MODE{i} == 0:",
-            f"    v{i} = tl.load({flat}, mask=mask, other=0){convert}",
+            f"    v{i} = tl.load({flat}, mask=mask, other=0{hint}){convert}",
             "else:",
-            f"    v{i} = tl.load({split}, mask=mask, other=0){convert}",
+            f"    v{i} = tl.load({split}, mask=mask, other=0{hint}){convert}",
         ]
 
     def load_red(self, i: int) -> str:
@@ -1119,10 +1122,29 @@ class _KernelWriter:
                 f'{r}_m = tl.full([ROWS, 1], float("-inf"), {acc})',
                 f"{r}_s = tl.zeros([ROWS, 1], {acc})",
             ]
-            return [*lines, f"{r}_p = tl.zeros([ROWS, 1], {acc})"] if s.op == "rce" else lines
+            return lines
         if s.op == "rmoments":
             return [f"{r}_{k} = tl.zeros([ROWS, 1], {acc})" for k in ("n", "mean", "m2")]
         raise ValueError(f"no Triton code for reduction {s.op!r}")
+
+    def ce_pick(self, s: Step) -> list[str]:
+        """``r_<out>_p``: each row's logit at its target column, gathered once after the loop (a
+        search of every chunk for it cost a compare, a select and a block reduction per element).
+        The logit's per-element steps (a prologue such as a scale) run on the gathered values; after
+        the loop, since Triton wants a name's shape unchanged through a loop that assigns it."""
+        r, target = f"r_{s.out}", self.emitter.ref(s.args[1])
+        operands, steps = self.row_closure([s.args[0]])
+        lines = [
+            f"{r}_tmask = rmask[:, None] & ({target} >= 0) & ({target} < n_cols)",
+            f"{r}_tcol = tl.where({r}_tmask, {target}, 0)",
+        ]
+        for i in operands:
+            op = self.plan.operands[i]
+            convert = " != 0" if op.is_bool else f".to({self.acc})"
+            ptr = f"in{i}_ptr + off{i}[:, None] + {r}_tcol * in{i}_sc"
+            lines.append(f"v{i} = tl.load({ptr}, mask={r}_tmask, other=0){convert}")
+        lines += self.emitter.section(steps)
+        return [*lines, f"{r}_p = tl.where({r}_tmask, {self.emitter.ref(s.args[0])}, 0.0)"]
 
     def reduce_update(self, s: Step) -> list[str]:
         x = self.emitter.ref(s.args[0])
@@ -1139,11 +1161,6 @@ class _KernelWriter:
                 f"{r}_s = {r}_s * tl.exp({r}_m - {r}_ms) + tl.sum(tl.where(mask, tl.exp({x} - {r}_ms), 0.0), axis=1)[:, None]",
                 f"{r}_m = {r}_new",
             ]
-            if s.op == "rce":
-                target = self.emitter.ref(s.args[1])
-                lines.append(
-                    f"{r}_p += tl.sum(tl.where(cols[None, :] == {target}, {x}, 0.0), axis=1)[:, None]"
-                )
             return lines
         if s.op == "rmoments":  # Chan et al.: merge this chunk's count, mean and M2 into the running ones
             return [
@@ -1218,7 +1235,7 @@ class _KernelWriter:
         if s.op == "rlse":
             return [f"{o}_m = {r}_m", f"{o}_s = {r}_s"]
         if s.op == "rce":
-            return self.ce_finish(s)
+            return self.ce_pick(s) + self.ce_finish(s)
         if s.op == "rmoments":
             return [f"{o}_mean = {r}_mean", f"{o}_var = {r}_m2 / {self.var_divisor(s)}"]
         raise ValueError(f"no Triton code for reduction {s.op!r}")
@@ -1346,7 +1363,8 @@ class _KernelWriter:
             for s in reductions:
                 lines += self.reduce_init(s)
             lines.append("for start in range(0, n_cols, BLOCK_N):")
-            inner = self.chunk([s.args[0] for s in reductions])
+            reread = level < plan.levels or plan.result_layout == "row"
+            inner = self.chunk([s.args[0] for s in reductions], "evict_last" if reread else "")
             for s in reductions:
                 inner += self.reduce_update(s)
             lines += [f"    {line}" for line in inner]
@@ -1368,7 +1386,7 @@ class _KernelWriter:
         phase1: list[str] = []
         for s in reductions:
             phase1 += self.reduce_init(s)
-        inner = self.chunk([s.args[0] for s in reductions])
+        inner = self.chunk([s.args[0] for s in reductions], "evict_last")
         for s in reductions:
             inner += self.reduce_update(s)
         phase1 += ["for start in range(lo, hi, BLOCK_N):", *(f"    {line}" for line in inner)]

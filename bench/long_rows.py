@@ -1,0 +1,168 @@
+"""Rows longer than one register block on a GPU: what each lever of the row kernel is worth.
+
+The suite's row tasks that miss the DRAM floor have long rows: ``log_softmax`` (32000 columns,
+read twice: statistics, then output), ``cross_entropy`` (128256 columns, one online pass) and
+GroupNorm (262144 columns, few rows, split over programs). For each task and each ``sm_90`` tuning
+configuration (plus, for rows that fit, a single pass of up to 32768 columns) this script times the
+candidate as generated and with one lever undone:
+
+- ``no_hint``: without the L2 eviction hint (``evict_last``) on the loads of a pass whose row a
+  later pass reads again;
+- for plans whose rows split over programs: ``per_row`` (never split), ``split_16_per_sm``.
+
+Every variant is checked against a float64 reference on inputs the timing never saw; eager and
+``torch.compile`` (default mode) are timed alike. Writes ``long_rows.json`` and ``long_rows.md``.
+
+    python bench/long_rows.py OUT_DIR [TASK.py ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from split_rows import REPEATS, WORK, bench, rel_error, row_plan  # noqa: E402
+
+from kernelcrew.agents.playbook.rowwise import generate_rowwise, splittable, tuning_space  # noqa: E402
+from kernelcrew.task import import_source, load_task  # noqa: E402
+
+TASKS = [
+    ROOT / "bench/suite/log_softmax_vocab_bf16.py",
+    ROOT / "bench/suite/cross_entropy_llm_vocab_bf16.py",
+    ROOT / "bench/suite/groupnorm_silu_fp16.py",
+]
+#: Single-pass configurations for rows of up to 32768 columns, beside the tuning space's.
+LONG_SINGLE = [
+    {"MAX_SINGLE": 32768, "CHUNK": 4096, "TILE": 4096, "num_warps": 8},
+    {"MAX_SINGLE": 32768, "CHUNK": 4096, "TILE": 2048, "num_warps": 4},
+]
+
+
+def variants(candidate: str, plan, sms: int) -> dict[str, str]:
+    out = {"as_generated": candidate}
+    stripped = candidate.replace(', eviction_policy="evict_last"', "")
+    if stripped != candidate:
+        out["no_hint"] = stripped
+    if splittable(plan):
+        out["per_row"] = candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 0")
+        out["split_16_per_sm"] = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {16 * sms}")
+    return out
+
+
+def run_task(path: Path, sms: int) -> dict:
+    source, analysis, plan = row_plan(path)
+    task = load_task(source, path.name)
+    torch.manual_seed(0)
+    model = task.model_cls(*task.get_init_inputs()).cuda().eval()
+    with torch.no_grad():  # weights away from ones and zeros
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.5 + 1)
+    ref64 = task.model_cls(*task.get_init_inputs()).cuda().eval().double()
+    ref64.load_state_dict(model.state_dict())
+    inputs = [t.cuda() for t in task.get_inputs()]
+    fresh = [t.cuda() for t in task.get_inputs()]  # checked on inputs the timing never saw
+    as64 = [t.double() if t.is_floating_point() else t for t in fresh]
+    nbytes = sum(t.numel() * t.element_size() for t in inputs)
+    configs = [c for c in tuning_space(plan, "sm_90") if c.get("SPLIT_PER_SM") != 0]
+    n_cols = inputs[0].shape[-1] if plan.groups is None else inputs[0][0].numel() // plan.groups
+    if n_cols <= 32768:
+        configs += LONG_SINGLE
+    with torch.no_grad():
+        golden = ref64(*as64)
+        out = model(*inputs)
+        nbytes += out.numel() * out.element_size()
+        row = {"task": path.stem, "bytes": nbytes, "n_cols": n_cols, "eager": bench(lambda: model(*inputs))}
+        compiled = torch.compile(model)
+        compiled(*inputs)
+        row["compile"] = bench(lambda: compiled(*inputs))
+        row["configs"] = []
+        for i, params in enumerate(configs):
+            entry = {"params": params, "variants": {}}
+            for name, text in variants(generate_rowwise(analysis, plan, params), plan, sms).items():
+                # Triton reads a kernel's source from its file
+                file = WORK / f"long_{path.stem}_{i}_{name}.py"
+                file.write_text(text)
+                module = import_source(text, file.stem, str(file))
+                new = module.ModelNew(*task.get_init_inputs()).cuda()
+                new.load_state_dict(model.state_dict())
+                err = rel_error(new(*fresh), golden)
+                timing = bench(lambda new=new: new(*inputs))
+                entry["variants"][name] = {**timing, "rel_error": err}
+                print(
+                    f"{path.stem} cfg{i} {name}: {timing['median_ms']:.4f} ms, rel err {err:.2e}", flush=True
+                )
+            row["configs"].append(entry)
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Long rows: what each lever of the row kernel is worth",
+        "",
+        f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
+        f"Triton {result['versions']['triton']}; commit {result['commit']}. `python bench/long_rows.py`; each "
+        f"figure is the median of {REPEATS} `do_bench` medians (min-max in brackets), in ms. Bandwidth counts "
+        "each input read once and the output written once (the DRAM floor's traffic).",
+        "",
+    ]
+    for row in result["rows"]:
+        gb = row["bytes"] / 1e9
+        lines += [
+            f"## {row['task']} ({row['n_cols']} columns per row, {row['bytes'] / 1e6:.0f} MB moved at least)",
+            "",
+            f"eager {row['eager']['median_ms']:.4f} ms, torch.compile {row['compile']['median_ms']:.4f} ms "
+            f"({gb / row['compile']['median_ms']:.2f} TB/s)",
+            "",
+            "| config (MAX_SINGLE, CHUNK, TILE, warps) | variant | ms [min-max] | TB/s | vs compile | rel. error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in row["configs"]:
+            p = c["params"]
+            cfg = f"{p['MAX_SINGLE']}, {p['CHUNK']}, {p['TILE']}, {p['num_warps']}"
+            for name, v in c["variants"].items():
+                lines.append(
+                    f"| {cfg} | {name} | {v['median_ms']:.4f} [{v['min_ms']:.4f}-{v['max_ms']:.4f}] | "
+                    f"{gb / v['median_ms']:.2f} | {row['compile']['median_ms'] / v['median_ms']:.2f}x | "
+                    f"{v['rel_error']:.1e} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench/results"
+    tasks = [Path(a) for a in sys.argv[2:]] or TASKS
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    result = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+        },
+        "commit": os.environ.get("KERNELCREW_COMMIT", "unknown"),  # the device's copy has no .git
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": [],
+    }
+    for t in tasks:  # written after each task, so a call that runs out of time keeps what it measured
+        result["rows"].append(run_task(t, props.multi_processor_count))
+        (out / "long_rows.json").write_text(json.dumps(result, indent=1))
+        (out / "long_rows.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
