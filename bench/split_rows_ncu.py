@@ -1,12 +1,12 @@
 """The row_reduction candidate of GroupNorm + SiLU with its rows split for TARGET programs, run for ncu.
 
-Builds the first tuning configuration's candidate of ``bench/suite/groupnorm_silu_fp16.py`` with
+Builds the CONFIG-th (default: the first) tuning configuration's candidate of ``bench/suite/groupnorm_silu_fp16.py`` with
 ``SPLIT_TARGET = TARGET`` and calls it three times, so that ``ncu --launch-skip 4 --launch-count 2``
 profiles the third call's stats launch and output launch::
 
     ncu --clock-control none --kernel-name regex:row_reduction --launch-skip 4 --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section MemoryWorkloadAnalysis python3 bench/split_rows_ncu.py TARGET
+        --section MemoryWorkloadAnalysis python3 bench/split_rows_ncu.py TARGET [CONFIG]
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ TASK = ROOT / "bench/suite/groupnorm_silu_fp16.py"
 
 def main() -> None:
     target = int(sys.argv[1])
+    config = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     source, analysis, plan = row_plan(TASK)
-    candidate = generate_rowwise(analysis, plan, tuning_space(plan, "sm_90")[0])
+    candidate = generate_rowwise(analysis, plan, tuning_space(plan, "sm_90")[config])
     candidate = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {target}")
     file = Path(tempfile.mkdtemp()) / "split_candidate.py"  # Triton reads a kernel's source from its file
     file.write_text(candidate)

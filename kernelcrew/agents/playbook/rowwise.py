@@ -1048,12 +1048,19 @@ class _KernelWriter:
         if self.plan.groups is None:
             ptr = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_sc"
             return [f"v{i} = tl.load({ptr}, mask=mask, other=0{hint}){convert}"]
-        # GroupNorm rows: the columns are (channel, position) pairs; MODE 0 walks them flat
+        # GroupNorm rows: the columns are (channel, position) pairs; MODE 0 walks them flat, MODE 2
+        # is one value per channel (weights): where a block spans at most two channels, two loads
         flat = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_s2"
         split = f"in{i}_ptr + off{i}[:, None] + ch[None, :] * in{i}_s1 + sp[None, :] * in{i}_s2"
+        first = f"in{i}_ptr + off{i}[:, None] + ch0 * in{i}_s1"
+        second = f"in{i}_ptr + off{i}[:, None] + tl.minimum(ch0 + 1, dim2 - 1) * in{i}_s1"
         return [
             f"if MODE{i} == 0:",
             f"    v{i} = tl.load({flat}, mask=mask, other=0{hint}){convert}",
+            f"elif MODE{i} == 2 and WIDE_POSITIONS:",
+            f"    v{i}_a = tl.load({first}, mask=rmask[:, None], other=0)",
+            f"    v{i}_b = tl.load({second}, mask=rmask[:, None], other=0)",
+            f"    v{i} = tl.where(ch[None, :] == ch0, v{i}_a, v{i}_b){convert}",
             "else:",
             f"    v{i} = tl.load({split}, mask=mask, other=0{hint}){convert}",
         ]
@@ -1551,7 +1558,8 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
     flat = False"""
         grouped_helper = '''def _grouped(v, positions):
     """An operand broadcast to (N, C, *): itself (or a contiguous copy), its (sample, channel, position)
-    strides, and mode 0 when its channels and positions are one flat run (x itself), 1 otherwise (weights)."""
+    strides, and mode 0 when its channels and positions are one flat run (x itself), 2 when it has one
+    value per channel (weights), 1 otherwise."""
     kept = [(size, stride) for size, stride in zip(v.shape[2:], v.stride()[2:]) if size != 1]
     if any(kept[i][1] != kept[i + 1][1] * kept[i + 1][0] for i in range(len(kept) - 1)):
         v = v.contiguous()
@@ -1559,7 +1567,7 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
     if positions == 1:  # no positions: a column is a channel
         return v, (v.stride(0), v.stride(1), v.stride(1)), 0
     position_stride = kept[-1][1] if kept else 0
-    mode = 0 if v.stride(1) == positions * position_stride else 1
+    mode = 0 if v.stride(1) == positions * position_stride else 2 if position_stride == 0 else 1
     return v, (v.stride(0), v.stride(1), position_stride), mode
 
 
