@@ -11,7 +11,7 @@ candidate as generated and with one lever undone:
 - for plans whose rows split over programs: ``per_row`` (never split), ``split_16_per_sm``.
 
 Every variant is checked against a float64 reference on inputs the timing never saw; eager and
-``torch.compile`` (default mode) are timed alike. Writes ``long_rows.json`` and ``long_rows.md``.
+``torch.compile`` (default mode) are timed alike, all in one interleaved ``measure`` call. Writes ``long_rows.json`` and ``long_rows.md``.
 
     python bench/long_rows.py OUT_DIR [TASK.py ...]
 """
@@ -32,10 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from split_rows import REPEATS, WORK, bench, rel_error, row_plan  # noqa: E402
+from split_rows import WORK, rel_error, row_plan  # noqa: E402
 
 from kernelcrew.agents.playbook.rowwise import generate_rowwise, splittable, tuning_space  # noqa: E402
 from kernelcrew.task import import_source, load_task  # noqa: E402
+from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
 
 TASKS = [
     ROOT / "bench/suite/log_softmax_vocab_bf16.py",
@@ -47,6 +48,7 @@ LONG_SINGLE = [
     {"MAX_SINGLE": 32768, "CHUNK": 4096, "TILE": 4096, "num_warps": 8},
     {"MAX_SINGLE": 32768, "CHUNK": 4096, "TILE": 2048, "num_warps": 4},
 ]
+TIMING = TimingConfig(min_reps=60, max_reps=300, max_time_s=60.0)
 
 
 def variants(candidate: str, plan, sms: int) -> dict[str, str]:
@@ -82,11 +84,10 @@ def run_task(path: Path, sms: int) -> dict:
         golden = ref64(*as64)
         out = model(*inputs)
         nbytes += out.numel() * out.element_size()
-        row = {"task": path.stem, "bytes": nbytes, "n_cols": n_cols, "eager": bench(lambda: model(*inputs))}
         compiled = torch.compile(model)
         compiled(*inputs)
-        row["compile"] = bench(lambda: compiled(*inputs))
-        row["configs"] = []
+        callables = {"eager": lambda xs: model(*xs), "compile": lambda xs: compiled(*xs)}
+        row = {"task": path.stem, "bytes": nbytes, "n_cols": n_cols, "configs": []}
         for i, params in enumerate(configs):
             entry = {"params": params, "variants": {}}
             for name, text in variants(generate_rowwise(analysis, plan, params), plan, sms).items():
@@ -96,14 +97,24 @@ def run_task(path: Path, sms: int) -> dict:
                 module = import_source(text, file.stem, str(file))
                 new = module.ModelNew(*task.get_init_inputs()).cuda()
                 new.load_state_dict(model.state_dict())
-                err = rel_error(new(*fresh), golden)
-                timing = bench(lambda new=new: new(*inputs))
-                entry["variants"][name] = {**timing, "rel_error": err}
-                print(
-                    f"{path.stem} cfg{i} {name}: {timing['median_ms']:.4f} ms, rel err {err:.2e}", flush=True
-                )
+                entry["variants"][name] = {"rel_error": rel_error(new(*fresh), golden)}
+                callables[f"{i}/{name}"] = lambda xs, new=new: new(*xs)
             row["configs"].append(entry)
+        timing = measure(callables, [inputs], device="cuda", config=TIMING)["results"]
+    row["eager"], row["compile"] = _figures(timing["eager"]), _figures(timing["compile"])
+    for i, entry in enumerate(row["configs"]):
+        for name, v in entry["variants"].items():
+            v.update(_figures(timing[f"{i}/{name}"]))
+            print(
+                f"{path.stem} cfg{i} {name}: {v['median_ms']:.4f} ms, rel err {v['rel_error']:.2e}",
+                flush=True,
+            )
     return row
+
+
+def _figures(result: dict) -> dict[str, float]:
+    keys = ("median_ms", "p10_ms", "p90_ms", "wall_median_ms", "reps")
+    return {k: result[k] for k in keys}
 
 
 def markdown(result: dict) -> str:
@@ -111,9 +122,11 @@ def markdown(result: dict) -> str:
         "# Long rows: what each lever of the row kernel is worth",
         "",
         f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
-        f"Triton {result['versions']['triton']}; commit {result['commit']}. `python bench/long_rows.py`; each "
-        f"figure is the median of {REPEATS} `do_bench` medians (min-max in brackets), in ms. Bandwidth counts "
-        "each input read once and the output written once (the DRAM floor's traffic).",
+        f"Triton {result['versions']['triton']}; commit {result['commit']}. `python bench/long_rows.py`, timed "
+        "by the crew's protocol (`kernelcrew.tools.timing.measure`: every variant of a task interleaved, L2 "
+        "flushed before each call, CUDA events behind a lead, so launch overhead is not counted; `wall` is "
+        "a call on an idle device timed by the host, launches included). ms is the median [p10-p90]. "
+        "Bandwidth counts each input read once and the output written once (the DRAM floor's traffic).",
         "",
     ]
     for row in result["rows"]:
@@ -124,17 +137,18 @@ def markdown(result: dict) -> str:
             f"eager {row['eager']['median_ms']:.4f} ms, torch.compile {row['compile']['median_ms']:.4f} ms "
             f"({gb / row['compile']['median_ms']:.2f} TB/s)",
             "",
-            "| config (MAX_SINGLE, CHUNK, TILE, warps) | variant | ms [min-max] | TB/s | vs compile | rel. error |",
-            "|---|---|---|---|---|---|",
+            "| config (MAX_SINGLE, CHUNK, TILE, warps) | variant | ms [p10-p90] | wall ms | TB/s | vs compile "
+            "| rel. error |",
+            "|---|---|---|---|---|---|---|",
         ]
         for c in row["configs"]:
             p = c["params"]
             cfg = f"{p['MAX_SINGLE']}, {p['CHUNK']}, {p['TILE']}, {p['num_warps']}"
             for name, v in c["variants"].items():
                 lines.append(
-                    f"| {cfg} | {name} | {v['median_ms']:.4f} [{v['min_ms']:.4f}-{v['max_ms']:.4f}] | "
-                    f"{gb / v['median_ms']:.2f} | {row['compile']['median_ms'] / v['median_ms']:.2f}x | "
-                    f"{v['rel_error']:.1e} |"
+                    f"| {cfg} | {name} | {v['median_ms']:.4f} [{v['p10_ms']:.4f}-{v['p90_ms']:.4f}] | "
+                    f"{v['wall_median_ms']:.4f} | {gb / v['median_ms']:.2f} | "
+                    f"{row['compile']['median_ms'] / v['median_ms']:.2f}x | {v['rel_error']:.1e} |"
                 )
         lines.append("")
     return "\n".join(lines)
