@@ -15,7 +15,13 @@ import pytest
 from kernelcrew.agents import playbook
 from kernelcrew.agents.playbook import STRATEGIES, applicable
 from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child
-from kernelcrew.agents.playbook.rowwise import DEFAULT_PARAMS, generate_rowwise, match, tuning_space
+from kernelcrew.agents.playbook.rowwise import (
+    DEFAULT_PARAMS,
+    generate_rowwise,
+    match,
+    row_length,
+    tuning_space,
+)
 from kernelcrew.config import Settings
 from kernelcrew.task import import_source, load_task
 from kernelcrew.tools.anticheat import static_check
@@ -629,6 +635,25 @@ def test_tuning_space_per_arch(arch):
         assert configs[-1]["SPLIT_PER_SM"] == 0 and all("SPLIT_PER_SM" not in c for c in configs[:-1])
     with pytest.raises(ValueError, match="unknown architecture"):
         tuning_space(plan, "tpu")
+
+
+def test_long_rows_try_the_biggest_chunks_first():
+    """The planner tries configurations in order and only the first few fit a run's budget: rows
+    longer than any single-pass block (measured on the H100 in long_rows.md) start at CHUNK 8192."""
+    _, short = plan_of(task_source("return x.log_softmax(-1)", "torch.randn(4, 4096)"))
+    _, long = plan_of(task_source("return x.log_softmax(-1)", "torch.randn(4, 32000)"))
+    _, groups = plan_of(task_source("return F.group_norm(x, 2)", "torch.randn(2, 4, 128, 128)"))
+    assert row_length(long) == 32000 and row_length(groups) == 2 * 128 * 128
+    assert tuning_space(short, "sm_90")[0]["CHUNK"] == 4096
+    for plan in (long, groups):
+        space = tuning_space(plan, "sm_90")
+        assert space[0]["CHUNK"] == 8192 and space[-1] == {**space[0], "SPLIT_PER_SM": 0}
+        assert [c["CHUNK"] for c in space[:-1]] == sorted((c["CHUNK"] for c in space[:-1]), reverse=True)
+
+    def configs(plan):  # the same configurations, in another order
+        return {tuple(sorted(c.items())) for c in tuning_space(plan, "sm_90") if "SPLIT_PER_SM" not in c}
+
+    assert configs(long) == configs(short)
 
 
 def test_menu_offers_row_reduction_first():

@@ -900,6 +900,13 @@ def splittable(plan: RowPlan) -> bool:
     )
 
 
+def row_length(plan: RowPlan) -> int:
+    """The columns of one row of the task's example: GroupNorm's channels per group times positions."""
+    if plan.groups is not None:
+        return plan.row_shape[1] // plan.groups * math.prod(plan.row_shape[2:])
+    return plan.row_shape[-1]
+
+
 def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     """MAX_SINGLE x CHUNK x TILE x num_warps (x SPLIT_PER_SM) configurations worth timing on ``arch``.
 
@@ -908,7 +915,8 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     (``ROWS = TILE // BLOCK_N`` rows per program); ``num_warps``: the warps of a ``TILE``-element
     block (scaled with the block); ``SPLIT_PER_SM``: when a launch of multi-pass rows would have
     fewer programs than this many per SM, each row is split over several (0: never). One
-    configuration for the CPU interpreter, where big blocks mean fewer interpreted programs.
+    configuration for the CPU interpreter, where big blocks mean fewer interpreted programs. The
+    order is the order the planner tries them in: it depends on the example's row length.
     """
     cls = arch_class(arch)
     if cls == "cpu":
@@ -932,6 +940,11 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
         ]
     if plan.compute_dtype == "float64" or len([x for x in plan.layouts if x == "row"]) > 3:
         configs = [c for c in configs if c[0] <= 8192]  # more live tiles: keep rows shorter in registers
+    if row_length(plan) > max(c[0] for c in configs):
+        # rows of the multi-pass class: bigger chunks (more loads in flight per program) first, as
+        # bench/results/long_rows.md measured on the H100 (log_softmax 0.219 ms at 8192 against 0.252
+        # at 4096; GroupNorm 0.154 against 0.170; cross-entropy even)
+        configs.sort(key=lambda c: -c[1])
     space = [{"MAX_SINGLE": s, "CHUNK": c, "TILE": t, "num_warps": w} for s, c, t, w in configs]
     if splittable(plan):  # rows split by default (SPLIT_PER_SM 4); the first config unsplit too
         space.append({**space[0], "SPLIT_PER_SM": 0})
@@ -1782,5 +1795,6 @@ __all__ = [
     "generate",
     "generate_rowwise",
     "match",
+    "row_length",
     "tuning_space",
 ]
