@@ -326,20 +326,26 @@ def order_configs(
 ) -> list[dict[str, Any]]:
     """A strategy's tuning configurations with the best known first.
 
-    Parameters of verified wins for ``strategy`` come first, in hit order (added when the space
-    lacks them but names the same parameters with scalar values). Then the configurations that a
-    seed recommends (each parameter within its list of values), then the rest, in their order.
+    Parameters of verified wins for ``strategy`` on the task's own signature come first, in hit
+    order; then the playbook's first configuration (its choice for the task's shape class); then
+    the parameters of wins on other tasks (a win on 8192-column rows says little about 128256-column
+    ones). Wins are added when the space lacks them but names the same parameters with scalar
+    values. Then the configurations that a seed recommends (each parameter within its list of
+    values), then the rest, in their order.
     """
     ordered = [dict(c) for c in configs]
     relevant = [h for h in hits if h.get("strategy") == strategy]
     keys = {frozenset(c) for c in ordered}
-    known: list[dict[str, Any]] = []
+    same: list[dict[str, Any]] = []
+    other: list[dict[str, Any]] = []
     for hit in relevant:
         params = dict(hit.get("params") or {})
         scalar = all(isinstance(v, bool | int | float | str) for v in params.values())
         usable = hit.get("source") == "verified" and params and scalar and frozenset(params) in keys
-        if usable and params not in known:
-            known.append(params)
+        if usable and params not in same + other:
+            (same if hit.get("exact_signature") else other).append(params)
+    known = same + [c for c in [*ordered[:1], *other] if c not in same]
+    known = [c for i, c in enumerate(known) if c not in known[:i]]
     ranges = [h["params"] for h in relevant if h.get("source") == "seed" and h.get("params")]
 
     def recommended(config: Mapping[str, Any]) -> bool:

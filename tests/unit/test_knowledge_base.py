@@ -708,12 +708,22 @@ def test_best_known_params_come_first_then_seed_ranges():
         {"source": "verified", "strategy": "torch_compile", "params": {}},
         {"source": "verified", "strategy": "fused_pointwise", "params": {"tile": 3}},
     ]
+    # wins on other tasks come after the playbook's first configuration (its shape-class choice)
     assert order_configs(space, hits, "fused_pointwise") == [
+        {"BLOCK_SIZE": 1024, "num_warps": 4},
         {"BLOCK_SIZE": 2048, "num_warps": 4},
         {"BLOCK_SIZE": 16384, "num_warps": 16},
         {"BLOCK_SIZE": 4096, "num_warps": 8},
         {"BLOCK_SIZE": 8192, "num_warps": 16},
+    ]
+    # a win on the task's own signature comes first
+    hits[2] = {**hits[2], "exact_signature": True}
+    assert order_configs(space, hits, "fused_pointwise") == [
+        {"BLOCK_SIZE": 16384, "num_warps": 16},
         {"BLOCK_SIZE": 1024, "num_warps": 4},
+        {"BLOCK_SIZE": 2048, "num_warps": 4},
+        {"BLOCK_SIZE": 4096, "num_warps": 8},
+        {"BLOCK_SIZE": 8192, "num_warps": 16},
     ]
     assert order_configs(space, [], "fused_pointwise") == space
     assert order_configs([{}], hits, "torch_compile") == [{}]

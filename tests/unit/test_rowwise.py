@@ -23,6 +23,7 @@ from kernelcrew.agents.playbook.rowwise import (
     tuning_space,
 )
 from kernelcrew.config import Settings
+from kernelcrew.knowledge_base import order_configs
 from kernelcrew.task import import_source, load_task
 from kernelcrew.tools.anticheat import static_check
 from kernelcrew.tools.correctness import verify
@@ -654,6 +655,11 @@ def test_long_rows_try_the_biggest_chunks_first():
         return {tuple(sorted(c.items())) for c in tuning_space(plan, "sm_90") if "SPLIT_PER_SM" not in c}
 
     assert configs(long) == configs(short)
+    # the knowledge base's seed advice and a win on another (short-row) task do not push it back
+    seed = {"source": "seed", "strategy": "row_reduction", "params": {"num_warps": [4, 8, 16]}}
+    won = {"source": "verified", "strategy": "row_reduction", "params": tuning_space(short, "sm_90")[0]}
+    ordered = order_configs(tuning_space(long, "sm_90"), [won, seed], "row_reduction")
+    assert ordered[0] == tuning_space(long, "sm_90")[0] and ordered[1] == won["params"]
 
 
 def test_menu_offers_row_reduction_first():

@@ -931,11 +931,11 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     elif cls == "sm_90":
         configs = [
             *((8192, 4096, 2048, 4), (16384, 4096, 4096, 8), (4096, 2048, 1024, 4)),
-            *((16384, 8192, 2048, 2), (8192, 2048, 4096, 16)),
+            *((16384, 8192, 4096, 4), (8192, 2048, 4096, 16)),
         ]
     else:
         configs = [
-            *((16384, 4096, 4096, 8), (8192, 4096, 2048, 4), (16384, 8192, 2048, 2)),
+            *((16384, 4096, 4096, 8), (8192, 4096, 2048, 4), (16384, 8192, 4096, 4)),
             *((4096, 2048, 1024, 4), (16384, 8192, 8192, 16)),
         ]
     if plan.compute_dtype == "float64" or len([x for x in plan.layouts if x == "row"]) > 3:
@@ -943,7 +943,9 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     if row_length(plan) > max(c[0] for c in configs):
         # rows of the multi-pass class: bigger chunks (more loads in flight per program) first, as
         # bench/results/long_rows.md measured on the H100 (log_softmax 0.219 ms at 8192 against 0.252
-        # at 4096; GroupNorm 0.154 against 0.170; cross-entropy even)
+        # at 4096; GroupNorm 0.154 against 0.170; cross-entropy even). It measured (16384, 8192, 2048,
+        # 2), whose multi-pass launches (8 warps, one row per program) are the same as (16384, 8192,
+        # 4096, 4): 4 warps are within the knowledge base's seed advice, 2 were not, which put it last.
         configs.sort(key=lambda c: -c[1])
     space = [{"MAX_SINGLE": s, "CHUNK": c, "TILE": t, "num_warps": w} for s, c, t, w in configs]
     if splittable(plan):  # rows split by default (SPLIT_PER_SM 4); the first config unsplit too
