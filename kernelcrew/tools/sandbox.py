@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.tools import pycache
 
 #: Variables copied from the caller's environment into the child; everything else is dropped.
 ENV_ALLOW = (
@@ -358,6 +359,9 @@ def run(
     spec_path.write_text(json.dumps(spec))
 
     child_env = _base_env(child_dir)
+    prefix = pycache.child_prefix(s)  # read-only bytecode: a fresh interpreter imports torch fast
+    if prefix is not None:
+        child_env["PYTHONPYCACHEPREFIX"] = str(prefix)
     if env:
         child_env.update(env)
     if ident is not None:

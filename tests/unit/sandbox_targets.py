@@ -94,3 +94,18 @@ def write_file(payload, workdir):
 
 def read_path(payload, workdir):
     return {"text": Path(payload["path"]).read_bytes()[:16].hex()}
+
+
+def import_fresh(payload, workdir):
+    """Import a module this process has not imported; say where its bytecode came from."""
+    import importlib
+    import sys
+
+    before = {m for m in sys.modules}
+    module = importlib.import_module(payload["module"])
+    return {
+        "prefix": sys.pycache_prefix,
+        "dont_write": sys.flags.dont_write_bytecode,
+        "new": payload["module"] not in before,
+        "cached": module.__spec__.cached,
+    }

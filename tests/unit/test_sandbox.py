@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,7 @@ def test_environment_is_scrubbed(limits, monkeypatch):
         "TMPDIR",
         "PYTHONPATH",
         "PYTHONDONTWRITEBYTECODE",
+        "PYTHONPYCACHEPREFIX",
         "PYTHONUNBUFFERED",
         "LANG",
     }
@@ -157,3 +159,33 @@ def test_missing_sandbox_user_is_reported():
     can, reason = sandbox.privilege_drop(Settings(sandbox_user="no-such-user-kc"))
     if os.geteuid() == 0:
         assert not can and "does not exist" in reason
+
+
+def test_children_read_one_bytecode_cache_that_they_cannot_write(limits, tmp_path):
+    """A fresh interpreter per child compiled torch's ~1600 modules from source where the install
+    has no bytecode (5.9 s per child on the H100 image); the parent fills one cache tree once, with
+    a trusted child, and sandboxed children read it with bytecode writes still off."""
+    from kernelcrew.tools import pycache
+
+    root = pycache.child_prefix()
+    assert root is not None and (root / "stamp.json").exists()
+    assert pycache.child_prefix() == root  # filled once per process
+    assert not root.stat().st_mode & 0o022  # nobody else may write it
+    res = sandbox.run(f"{T}:import_fresh", {"module": "torch._dynamo"}, limits=limits)
+    assert res.ok, res
+    seen = res.value
+    assert seen["prefix"] == str(root) and seen["dont_write"] and seen["new"]
+    assert seen["cached"].startswith(str(root)) and Path(seen["cached"]).is_file()  # read from the tree
+    files = {p for p in root.rglob("*.pyc")}
+    again = sandbox.run(f"{T}:import_fresh", {"module": "json.tool"}, limits=limits)
+    assert again.ok and {p for p in root.rglob("*.pyc")} == files  # children write nothing there
+
+
+def test_a_bytecode_cache_others_can_write_is_not_used(monkeypatch, tmp_path):
+    from kernelcrew.tools import pycache
+
+    root = tmp_path / "pycache" / "tag"
+    root.mkdir(parents=True)
+    root.chmod(0o777)
+    monkeypatch.setattr(pycache, "cache_root", lambda settings=None: root)
+    assert pycache.child_prefix() is None

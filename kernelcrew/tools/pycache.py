@@ -1,0 +1,125 @@
+"""One bytecode cache for every sandboxed child, filled once per machine by a trusted process.
+
+Each sandboxed child is a fresh interpreter that imports torch (and often Triton, dynamo and
+inductor). Where the installed packages carry no bytecode, as on an environment installed without
+compiling it (the H100 image's torch), every child compiled about 1600 modules from source: 5.9 s of
+the 18.5 s a log_softmax golden child took there under cProfile. Children may not write bytecode
+(``PYTHONDONTWRITEBYTECODE``: a candidate must not leave code for the next child to run), so the
+cost came back in every child, about ten per run.
+
+:func:`child_prefix` returns a cache tree (``PYTHONPYCACHEPREFIX``) after filling it once: a
+trusted child, with bytecode writes on, imports what the sandboxed children import. The children
+then read it and still write nothing. The tree belongs to the parent's user and is not writable by
+others, so a child that runs as the sandbox user cannot change it; a tree that another user could
+write is not used. A marker records the interpreter and package versions the tree was filled for;
+Python checks each cached file against its source's size and modification time anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from kernelcrew.config import Settings, get_settings
+
+#: What the sandboxed children import (the harness, timing and profiling children, the compilers).
+WARM_MODULES = (
+    "torch",
+    "numpy",
+    "triton",
+    "triton.language",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "kernelcrew.tools.sandbox",
+    "kernelcrew.tools.harness",
+    "kernelcrew.tools.timing",
+    "kernelcrew.tools.anticheat",
+    "kernelcrew.tools.ncu",
+)
+WARM_TIMEOUT_S = 600.0
+_WARM_SCRIPT = """
+import importlib, sys
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception:  # a package this machine lacks (triton on some CPUs) warms nothing
+        pass
+"""
+
+_ready: dict[Path, Path | None] = {}
+
+
+def cache_root(settings: Settings | None = None) -> Path:
+    """``<cache_dir>/pycache/<interpreter tag>``, or one under the system temp dir when run as root
+    and the sandbox user could not reach the configured one (a cache under ``/root`` is private)."""
+    from kernelcrew.tools.build import _reachable_by_others
+
+    base = (settings or get_settings()).cache_dir.expanduser() / "pycache"
+    if os.geteuid() == 0 and not _reachable_by_others(base):
+        base = Path(tempfile.gettempdir()) / "kernelcrew-pycache"
+    return base / sys.implementation.cache_tag
+
+
+def stamp() -> dict[str, str]:
+    """The interpreter and package versions a filled tree is good for."""
+    versions = {"python": sys.version}
+    for package in ("torch", "triton", "numpy", "kernelcrew"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = ""
+    return versions
+
+
+def _owned_and_closed(path: Path) -> bool:
+    """Ours, and writable by nobody else (every folder from the tree up to where we created it)."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return (
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.geteuid()
+        and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
+
+
+def child_prefix(settings: Settings | None = None) -> Path | None:
+    """The bytecode cache for sandboxed children, filled if it is not yet; None where none is usable
+    (it could not be made, or another user could write it). Filled once per process and machine."""
+    root = cache_root(settings)
+    if root in _ready:
+        return _ready[root]
+    prefix: Path | None = None
+    try:
+        for folder in (root.parent, root):
+            folder.mkdir(mode=0o755, exist_ok=True)
+        if _owned_and_closed(root.parent) and _owned_and_closed(root):
+            marker = root / "stamp.json"
+            want = stamp()
+            if not marker.exists() or json.loads(marker.read_text()) != want:
+                env = {**os.environ, "PYTHONPYCACHEPREFIX": str(root)}
+                env.pop("PYTHONDONTWRITEBYTECODE", None)
+                subprocess.run(
+                    [sys.executable, "-c", _WARM_SCRIPT, *WARM_MODULES],
+                    env=env,
+                    cwd="/",
+                    capture_output=True,
+                    timeout=WARM_TIMEOUT_S,
+                    check=False,
+                )
+                marker.write_text(json.dumps(want))
+            prefix = root
+    except (OSError, ValueError, subprocess.SubprocessError):
+        prefix = None
+    _ready[root] = prefix
+    return prefix
+
+
+__all__ = ["WARM_MODULES", "cache_root", "child_prefix", "stamp"]
