@@ -90,6 +90,29 @@ def _owned_and_closed(path: Path) -> bool:
     )
 
 
+def _usable(root: Path) -> bool:
+    """The tree exists (made if not) and only this user may write it and its parent."""
+    try:
+        for folder in (root.parent, root):
+            folder.mkdir(mode=0o755, exist_ok=True)
+    except OSError:
+        return False
+    return _owned_and_closed(root.parent) and _owned_and_closed(root)
+
+
+def use_in_this_process(settings: Settings | None = None) -> Path | None:
+    """Read and write this trusted process's bytecode in the children's tree (the command line
+    calls it before its heavy imports: the parent imports torch too); not where the user chose a
+    prefix or turned bytecode writes off, nor where the tree is not usable."""
+    if sys.pycache_prefix is not None or sys.flags.dont_write_bytecode:
+        return None
+    root = cache_root(settings)
+    if not _usable(root):
+        return None
+    sys.pycache_prefix = str(root)
+    return root
+
+
 def child_prefix(settings: Settings | None = None) -> Path | None:
     """The bytecode cache for sandboxed children, filled if it is not yet; None where none is usable
     (it could not be made, or another user could write it). Filled once per process and machine."""
@@ -98,9 +121,7 @@ def child_prefix(settings: Settings | None = None) -> Path | None:
         return _ready[root]
     prefix: Path | None = None
     try:
-        for folder in (root.parent, root):
-            folder.mkdir(mode=0o755, exist_ok=True)
-        if _owned_and_closed(root.parent) and _owned_and_closed(root):
+        if _usable(root):
             marker = root / "stamp.json"
             want = stamp()
             if not marker.exists() or json.loads(marker.read_text()) != want:
@@ -122,4 +143,4 @@ def child_prefix(settings: Settings | None = None) -> Path | None:
     return prefix
 
 
-__all__ = ["WARM_MODULES", "cache_root", "child_prefix", "stamp"]
+__all__ = ["WARM_MODULES", "cache_root", "child_prefix", "stamp", "use_in_this_process"]

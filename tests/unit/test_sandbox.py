@@ -189,3 +189,26 @@ def test_a_bytecode_cache_others_can_write_is_not_used(monkeypatch, tmp_path):
     root.chmod(0o777)
     monkeypatch.setattr(pycache, "cache_root", lambda settings=None: root)
     assert pycache.child_prefix() is None
+
+
+def test_the_command_line_keeps_its_own_bytecode_in_the_tree(tmp_path):
+    """The parent imports torch too: ``kernelcrew`` points its bytecode at the tree before its
+    imports, unless the user turned bytecode writes off."""
+    import subprocess
+    import sys
+
+    from kernelcrew.tools import pycache
+
+    env = {**os.environ, "KERNELCREW_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "kernelcrew", "--help"], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    tree = pycache.cache_root(Settings(cache_dir=tmp_path / "cache"))  # as root: maybe under /tmp
+    assert any(tree.rglob("kernelcrew/cli.*.pyc")) and any(tree.rglob("typer/*.pyc"))
+    probe = "from kernelcrew.tools.pycache import use_in_this_process as use; print(use())"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    quiet = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert quiet.stdout.strip() == "None", quiet.stderr
