@@ -237,6 +237,8 @@ def test_thread_check_counts_only_threads_running_candidate_code():
     pool = ThreadPoolExecutor(max_workers=1)
     pool.submit(queue.Queue().put, 1).result()
     assert state_changes(before, snapshot_state((__file__,))) == []
+    # With no candidate (the baseline's timing of eager and torch.compile), no thread is one's own.
+    assert snapshot_state()["threads"] == 0
     # A thread running a function defined in the candidate's file is.
     mine = threading.Thread(target=lambda: stop.wait(5))
     mine.start()
