@@ -44,6 +44,12 @@ class Settings(BaseSettings):
         16 * 1024**3, description="RLIMIT_FSIZE: largest file a child writes."
     )
 
+    bytecode_cache: Literal["auto", "always", "off"] = Field(
+        "auto",
+        description="One bytecode tree under cache_dir for the sandboxed children (and the command "
+        "line): auto where the installed torch has no bytecode of its own, always, or off.",
+    )
+
     # Verification protocol.
     verify_seeds: int = Field(5, ge=5, description="Fresh get_inputs() seeds per verification (at least 5).")
     compute_sanitizer: bool = Field(

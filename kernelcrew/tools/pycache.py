@@ -11,12 +11,18 @@ cost came back in every child, about ten per run.
 trusted child, with bytecode writes on, imports what the sandboxed children import. The children
 then read it and still write nothing. The tree belongs to the parent's user and is not writable by
 others, so a child that runs as the sandbox user cannot change it; a tree that another user could
-write is not used. A marker records the interpreter and package versions the tree was filled for;
+write is not used. A marker per environment records the interpreter and package versions its files were filled for;
 Python checks each cached file against its source's size and modification time anyway.
+
+``KERNELCREW_BYTECODE_CACHE`` decides: ``auto`` (the default) uses the tree only where torch was
+installed without bytecode, since a tree is slower than the installer's own files for any module it
+lacks; ``always``; ``off``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 import stat
@@ -67,8 +73,12 @@ def cache_root(settings: Settings | None = None) -> Path:
 
 
 def stamp() -> dict[str, str]:
-    """The interpreter and package versions a filled tree is good for."""
-    versions = {"python": sys.version}
+    """The interpreter, environment and package versions a filled tree is good for (environments
+    share a tree, each warms its own files)."""
+    import kernelcrew
+
+    versions = {"python": sys.version, "executable": sys.executable, "prefix": sys.prefix}
+    versions["source"] = str(Path(kernelcrew.__file__).resolve().parent)
     for package in ("torch", "triton", "numpy", "kernelcrew"):
         try:
             versions[package] = metadata.version(package)
@@ -90,6 +100,24 @@ def _owned_and_closed(path: Path) -> bool:
     )
 
 
+def wanted(settings: Settings | None = None) -> bool:
+    """Whether to use the tree: ``always``, ``off``, or (``auto``) where torch was installed without
+    its bytecode. Where it has it, a tree would only be slower for any module it lacks."""
+    mode = (settings or get_settings()).bytecode_cache
+    if mode != "auto":
+        return mode == "always"
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return False
+    saved = sys.pycache_prefix
+    sys.pycache_prefix = None  # where the installer would have put it
+    try:
+        own = importlib.util.cache_from_source(spec.origin)
+    finally:
+        sys.pycache_prefix = saved
+    return not os.path.exists(own)
+
+
 def _usable(root: Path) -> bool:
     """The tree exists (made if not) and only this user may write it and its parent."""
     try:
@@ -104,7 +132,7 @@ def use_in_this_process(settings: Settings | None = None) -> Path | None:
     """Read and write this trusted process's bytecode in the children's tree (the command line
     calls it before its heavy imports: the parent imports torch too); not where the user chose a
     prefix or turned bytecode writes off, nor where the tree is not usable."""
-    if sys.pycache_prefix is not None or sys.flags.dont_write_bytecode:
+    if sys.pycache_prefix is not None or sys.flags.dont_write_bytecode or not wanted(settings):
         return None
     root = cache_root(settings)
     if not _usable(root):
@@ -116,14 +144,17 @@ def use_in_this_process(settings: Settings | None = None) -> Path | None:
 def child_prefix(settings: Settings | None = None) -> Path | None:
     """The bytecode cache for sandboxed children, filled if it is not yet; None where none is usable
     (it could not be made, or another user could write it). Filled once per process and machine."""
+    if not wanted(settings):
+        return None
     root = cache_root(settings)
     if root in _ready:
         return _ready[root]
     prefix: Path | None = None
     try:
         if _usable(root):
-            marker = root / "stamp.json"
             want = stamp()
+            digest = hashlib.sha256(f"{want['executable']}\0{want['source']}".encode()).hexdigest()[:16]
+            marker = root / f"stamp-{digest}.json"
             if not marker.exists() or json.loads(marker.read_text()) != want:
                 env = {**os.environ, "PYTHONPYCACHEPREFIX": str(root)}
                 env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -143,4 +174,4 @@ def child_prefix(settings: Settings | None = None) -> Path | None:
     return prefix
 
 
-__all__ = ["WARM_MODULES", "cache_root", "child_prefix", "stamp", "use_in_this_process"]
+__all__ = ["WARM_MODULES", "cache_root", "child_prefix", "stamp", "use_in_this_process", "wanted"]

@@ -132,7 +132,8 @@ def test_only_a_verified_significant_gpu_gain_is_recorded(first_job):
 
 
 def test_the_playbook_prefers_what_won_and_starts_tuning_from_its_params(first_job):
-    """On sm_90, a torch_compile win moves ahead of the own kernel; a known block size comes first."""
+    """On sm_90, a torch_compile win moves ahead of the own kernel; a block size known to win on this
+    task comes first, one that won on another task second (after the playbook's choice)."""
     first, settings, _, _ = first_job
     graph = compile_graph(sqlite_checkpointer(settings.data_dir / "checkpoints.sqlite"))
     run = graph.get_state({"configurable": {"thread_id": first["run_id"]}}).values
@@ -144,7 +145,12 @@ def test_the_playbook_prefers_what_won_and_starts_tuning_from_its_params(first_j
     assert plain[0].strategy == "fused_pointwise" and plain[0].params == {"BLOCK_SIZE": 1024, "num_warps": 4}
     hits = [
         {"source": "verified", "strategy": "torch_compile", "params": {}},
-        {"source": "verified", "strategy": "fused_pointwise", "params": {"BLOCK_SIZE": 4096, "num_warps": 8}},
+        {
+            "source": "verified",
+            "strategy": "fused_pointwise",
+            "params": {"BLOCK_SIZE": 4096, "num_warps": 8},
+            "exact_signature": True,
+        },
     ]
     menu = _menu(CrewState(**{**state.__dict__, "kb_hits": hits}))
     assert menu[0].strategy == "torch_compile" and "knowledge base shows it won" in menu[0].rationale
@@ -152,3 +158,10 @@ def test_the_playbook_prefers_what_won_and_starts_tuning_from_its_params(first_j
     assert kernel[0] == {"BLOCK_SIZE": 4096, "num_warps": 8} and len(kernel) == len(
         [s for s in plain if s.strategy == "fused_pointwise"]
     )
+    hits[1]["exact_signature"] = False  # a win on another task: after the playbook's first choice
+    kernel = [
+        s.params
+        for s in _menu(CrewState(**{**state.__dict__, "kb_hits": hits}))
+        if s.strategy == "fused_pointwise"
+    ]
+    assert kernel[:2] == [plain[0].params, {"BLOCK_SIZE": 4096, "num_warps": 8}]
