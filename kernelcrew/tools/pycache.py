@@ -48,6 +48,14 @@ WARM_MODULES = (
     "kernelcrew.tools.anticheat",
     "kernelcrew.tools.ncu",
 )
+#: torch's modules whose bytecode says whether the install compiled it (any missing: use the tree).
+PROBES = (
+    "__init__.py",
+    "_tensor.py",
+    "nn/modules/module.py",
+    "_dynamo/__init__.py",
+    "_inductor/compile_fx.py",
+)
 WARM_TIMEOUT_S = 600.0
 _WARM_SCRIPT = """
 import importlib, sys
@@ -109,13 +117,14 @@ def wanted(settings: Settings | None = None) -> bool:
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.origin:
         return False
+    package = Path(spec.origin).parent
     saved = sys.pycache_prefix
-    sys.pycache_prefix = None  # where the installer would have put it
+    sys.pycache_prefix = None  # where the installer would have put them
     try:
-        own = importlib.util.cache_from_source(spec.origin)
+        own = [importlib.util.cache_from_source(str(package / name)) for name in PROBES]
     finally:
         sys.pycache_prefix = saved
-    return not os.path.exists(own)
+    return not all(os.path.exists(path) for path in own)
 
 
 def _usable(root: Path) -> bool:

@@ -224,3 +224,24 @@ def test_the_command_line_keeps_its_own_bytecode_in_the_tree(tmp_path):
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     quiet = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert quiet.stdout.split()[0] == "True", quiet.stderr
+
+
+def test_auto_uses_the_tree_only_where_torch_has_no_bytecode(monkeypatch, tmp_path):
+    import importlib.util
+    import types
+
+    from kernelcrew.tools import pycache
+
+    torch_dir = tmp_path / "torch"
+    for name in pycache.PROBES:
+        (torch_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (torch_dir / name).write_text("")
+    spec = types.SimpleNamespace(origin=str(torch_dir / "__init__.py"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "torch" else None)
+    auto, off = Settings(bytecode_cache="auto"), Settings(bytecode_cache="off")
+    assert pycache.wanted(auto) and not pycache.wanted(off)  # installed without bytecode
+    for name in pycache.PROBES:
+        cached = Path(importlib.util.cache_from_source(str(torch_dir / name)))
+        cached.parent.mkdir(exist_ok=True)
+        cached.write_bytes(b"")
+    assert not pycache.wanted(auto) and pycache.wanted(Settings(bytecode_cache="always"))
