@@ -45,11 +45,11 @@ log-sum-exp, Chan's moments) and an output per element, each row is split over a
 programs: a first launch reduces each part and stores its partial states, a second merges a row's
 states and writes each part, walking the programs in reverse so that the parts read last are still
 in L2. Cross-entropy and two-level plans keep one program per row. The default, 4 programs per SM,
-is the best that ``bench/split_rows.py`` measured on the H100 (``bench/results/split_rows.md``):
-GroupNorm's 256 rows of 262144 elements in 2 parts each took 0.218 ms in the best configuration
-against 0.251 ms unsplit, while 8 or 32 parts per row were 2.7x and 9x slower than unsplit. That
-was before the output launch took a row's statistics as scalars (``bench/results/split_rows_ncu/``
-says why it mattered); the split has not been timed since.
+was the best that ``bench/split_rows.py`` measured on the H100 (``bench/results/split_rows.md``),
+when 8 or 32 parts per row were 2.7x and 9x slower than unsplit. Since the output launch takes a
+row's statistics as scalars (``bench/results/split_rows_ncu/`` says why it mattered) and GroupNorm's
+per-channel operands load two values per block, ``bench/results/long_rows.md`` measures GroupNorm's
+256 rows of 262144 elements at 0.154 ms in 2 parts (the default), 0.152 ms in 8, 0.161 ms unsplit.
 
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
 per element and per row (a scalar weight used on both sides of a reduction) is refused.
