@@ -344,8 +344,10 @@ def order_configs(
         usable = hit.get("source") == "verified" and params and scalar and frozenset(params) in keys
         if usable and params not in same + other:
             (same if hit.get("exact_signature") else other).append(params)
-    known = same + [c for c in [*ordered[:1], *other] if c not in same]
-    known = [c for i, c in enumerate(known) if c not in known[:i]]
+    known: list[dict[str, Any]] = []
+    for config in [*same, *ordered[:1], *other]:
+        if config not in known:
+            known.append(config)
     ranges = [h["params"] for h in relevant if h.get("source") == "seed" and h.get("params")]
 
     def recommended(config: Mapping[str, Any]) -> bool:

@@ -11,8 +11,9 @@ cost came back in every child, about ten per run.
 trusted child, with bytecode writes on, imports what the sandboxed children import. The children
 then read it and still write nothing. The tree belongs to the parent's user and is not writable by
 others, so a child that runs as the sandbox user cannot change it; a tree that another user could
-write is not used. A marker per environment records the interpreter and package versions its files were filled for;
-Python checks each cached file against its source's size and modification time anyway.
+write is not used. A marker per environment records the interpreter and package versions its files
+were filled for; Python checks each cached file against its source's size and modification time
+anyway.
 
 ``KERNELCREW_BYTECODE_CACHE`` decides: ``auto`` (the default) uses the tree only where torch was
 installed without bytecode, since a tree is slower than the installer's own files for any module it
@@ -96,7 +97,7 @@ def stamp() -> dict[str, str]:
 
 
 def _owned_and_closed(path: Path) -> bool:
-    """Ours, and writable by nobody else (every folder from the tree up to where we created it)."""
+    """A folder of ours that nobody else may write."""
     try:
         info = path.lstat()
     except OSError:
