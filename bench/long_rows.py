@@ -11,7 +11,8 @@ candidate as generated and with one lever undone:
 - for plans whose rows split over programs: ``per_row`` (never split), ``split_16_per_sm``.
 
 Every variant is checked against a float64 reference on inputs the timing never saw; eager and
-``torch.compile`` (default mode) are timed alike, all in one interleaved ``measure`` call. Writes ``long_rows.json`` and ``long_rows.md``.
+``torch.compile`` (default mode) are timed alike, all in one interleaved ``measure`` call. Writes
+``long_rows.json`` and ``long_rows.md``.
 
     python bench/long_rows.py OUT_DIR [TASK.py ...]
 """
