@@ -1054,15 +1054,15 @@ class _KernelWriter:
         )
 
     # --- pieces ----------------------------------------------------------------------------------
-    def load_row(self, i: int, evict: str = "") -> list[str]:
+    def load_row(self, i: int, evict: str = "", cols: str = "cols[None, :]", mask: str = "mask") -> list[str]:
         """Load operand ``i`` per element; ``evict``: ``evict_last`` where a later pass reads the row
-        again (keep it in L2), else none."""
+        again (keep it in L2), else none. ``cols``/``mask``: other columns (rows' plans only)."""
         op = self.plan.operands[i]
         convert = " != 0" if op.is_bool else f".to({self.acc})"
         hint = f', eviction_policy="{evict}"' if evict else ""
         if self.plan.groups is None:
-            ptr = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_sc"
-            return [f"v{i} = tl.load({ptr}, mask=mask, other=0{hint}){convert}"]
+            ptr = f"in{i}_ptr + off{i}[:, None] + {cols} * in{i}_sc"
+            return [f"v{i} = tl.load({ptr}, mask={mask}, other=0{hint}){convert}"]
         # GroupNorm rows: the columns are (channel, position) pairs; MODE 0 walks them flat, MODE 2
         # is one value per channel (weights): where a block spans at most two channels, two loads
         flat = f"in{i}_ptr + off{i}[:, None] + cols[None, :] * in{i}_s2"
@@ -1161,10 +1161,7 @@ class _KernelWriter:
             f"{r}_tcol = tl.where({r}_tmask, {target}, 0)",
         ]
         for i in operands:
-            op = self.plan.operands[i]
-            convert = " != 0" if op.is_bool else f".to({self.acc})"
-            ptr = f"in{i}_ptr + off{i}[:, None] + {r}_tcol * in{i}_sc"
-            lines.append(f"v{i} = tl.load({ptr}, mask={r}_tmask, other=0){convert}")
+            lines += self.load_row(i, cols=f"{r}_tcol", mask=f"{r}_tmask")
         lines += self.emitter.section(steps)
         return [*lines, f"{r}_p = tl.where({r}_tmask, {self.emitter.ref(s.args[0])}, 0.0)"]
 
