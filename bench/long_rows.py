@@ -19,24 +19,20 @@ Every variant is checked against a float64 reference on inputs the timing never 
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
-import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from split_rows import WORK, rel_error, row_plan  # noqa: E402
+from split_rows import WORK, rel_error, row_setup, run_suite  # noqa: E402
 
 from kernelcrew.agents.playbook.rowwise import generate_rowwise, splittable, tuning_space  # noqa: E402
-from kernelcrew.task import import_source, load_task  # noqa: E402
+from kernelcrew.task import import_source  # noqa: E402
 from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
 
 TASKS = [
@@ -64,17 +60,7 @@ def variants(candidate: str, plan, sms: int) -> dict[str, str]:
 
 
 def run_task(path: Path, sms: int) -> dict:
-    source, analysis, plan = row_plan(path)
-    task = load_task(source, path.name)
-    torch.manual_seed(0)
-    model = task.model_cls(*task.get_init_inputs()).cuda().eval()
-    with torch.no_grad():  # weights away from ones and zeros
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.5 + 1)
-    ref64 = task.model_cls(*task.get_init_inputs()).cuda().eval().double()
-    ref64.load_state_dict(model.state_dict())
-    inputs = [t.cuda() for t in task.get_inputs()]
-    fresh = [t.cuda() for t in task.get_inputs()]  # checked on inputs the timing never saw
+    analysis, plan, task, model, ref64, inputs, fresh = row_setup(path)
     as64 = [t.double() if t.is_floating_point() else t for t in fresh]
     nbytes = sum(t.numel() * t.element_size() for t in inputs)
     configs = [c for c in tuning_space(plan, "sm_90") if c.get("SPLIT_PER_SM") != 0]
@@ -156,27 +142,8 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench/results"
-    tasks = [Path(a) for a in sys.argv[2:]] or TASKS
-    out.mkdir(parents=True, exist_ok=True)
-    props = torch.cuda.get_device_properties(0)
-    result = {
-        "device": props.name,
-        "sms": props.multi_processor_count,
-        "versions": {
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "python": platform.python_version(),
-        },
-        "commit": os.environ.get("KERNELCREW_COMMIT", "unknown"),  # the device's copy has no .git
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "rows": [],
-    }
-    for t in tasks:  # written after each task, so a call that runs out of time keeps what it measured
-        result["rows"].append(run_task(t, props.multi_processor_count))
-        (out / "long_rows.json").write_text(json.dumps(result, indent=1))
-        (out / "long_rows.md").write_text(markdown(result))
-    print(markdown(result))
+    # the device's copy has no .git: the caller says which commit ran
+    run_suite("long_rows", TASKS, run_task, markdown, commit=os.environ.get("KERNELCREW_COMMIT", "unknown"))
 
 
 if __name__ == "__main__":

@@ -83,18 +83,25 @@ def row_plan(path: Path):
     return source, analysis, plan
 
 
-def run_task(path: Path, sms: int) -> dict:
+def row_setup(path: Path):
+    """The task's plan, its model on the GPU (weights away from ones and zeros), a float64 copy,
+    the timed inputs and fresh inputs (checked on, never timed)."""
     source, analysis, plan = row_plan(path)
     task = load_task(source, path.name)
     torch.manual_seed(0)
     model = task.model_cls(*task.get_init_inputs()).cuda().eval()
-    with torch.no_grad():  # weights away from ones and zeros
+    with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.5 + 1)
     ref64 = task.model_cls(*task.get_init_inputs()).cuda().eval().double()
     ref64.load_state_dict(model.state_dict())
     inputs = [t.cuda() for t in task.get_inputs()]
-    fresh = [t.cuda() for t in task.get_inputs()]  # checked on inputs the timing never saw
+    fresh = [t.cuda() for t in task.get_inputs()]
+    return analysis, plan, task, model, ref64, inputs, fresh
+
+
+def run_task(path: Path, sms: int) -> dict:
+    analysis, plan, task, model, ref64, inputs, fresh = row_setup(path)
     nbytes = sum(t.numel() * t.element_size() for t in inputs)
     with torch.no_grad():
         golden = ref64(*[t.double() for t in fresh])
@@ -162,9 +169,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def run_suite(name: str, tasks: list[Path], run_task, markdown, **extra: str) -> None:
+    """Run ``run_task`` on each task (argv's, else ``tasks``); write OUT/<name>.json and .md after each."""
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench/results"
-    tasks = [Path(a) for a in sys.argv[2:]] or TASKS
+    tasks = [Path(a) for a in sys.argv[2:]] or tasks
     out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     result = {
@@ -175,14 +183,19 @@ def main() -> None:
             "triton": triton.__version__,
             "python": platform.python_version(),
         },
+        **extra,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rows": [],
     }
     for t in tasks:  # written after each task, so a call that runs out of time keeps what it measured
         result["rows"].append(run_task(t, props.multi_processor_count))
-        (out / "split_rows.json").write_text(json.dumps(result, indent=1))
-        (out / "split_rows.md").write_text(markdown(result))
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
+
+
+def main() -> None:
+    run_suite("split_rows", TASKS, run_task, markdown)
 
 
 if __name__ == "__main__":
