@@ -69,8 +69,9 @@ def variants(candidate: str, sms: int) -> dict[str, str]:
     }
 
 
-def row_plan(path: Path):
-    """The task's source, its graph analysis and its row_reduction plan (exits when none applies)."""
+def row_plan(path: Path, match=match):
+    """The task's source, its graph analysis and its plan of ``match``'s strategy (row_reduction
+    unless told; exits when it does not apply)."""
     source = path.read_text()
     analysis = TaskAnalysis(
         analyze_child({"task_source": source, "task_path": str(path), "seed": 0}, Path(".")),
@@ -79,14 +80,14 @@ def row_plan(path: Path):
     )
     plan, reason = match(analysis)
     if plan is None:
-        raise SystemExit(f"{path.name}: row_reduction does not apply: {reason}")
+        raise SystemExit(f"{path.name}: {match.__module__} does not apply: {reason}")
     return source, analysis, plan
 
 
-def row_setup(path: Path):
-    """The task's plan, its model on the GPU (weights away from ones and zeros), a float64 copy,
-    the timed inputs and fresh inputs (checked on, never timed)."""
-    source, analysis, plan = row_plan(path)
+def row_setup(path: Path, match=match):
+    """The task's plan (of ``match``'s strategy), its model on the GPU (weights away from ones and
+    zeros), a float64 copy, the timed inputs and fresh inputs (checked on, never timed)."""
+    source, analysis, plan = row_plan(path, match)
     task = load_task(source, path.name)
     torch.manual_seed(0)
     model = task.model_cls(*task.get_init_inputs()).cuda().eval()

@@ -63,6 +63,15 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.rowwise",
         ),
         Strategy(
+            "matmul_epilogue",
+            "kernel",
+            "One or two linear layers of the same input (a gated pair: two accumulators sharing each "
+            "input tile) and any elementwise epilogue (bias, activation, scale, residual add): one "
+            "Triton matmul applies the epilogue to each output tile in registers and writes it once; "
+            "float32 layers multiply in TF32x3 on the tensor cores, at float32 accuracy.",
+            module=f"{_PKG}.matmul",
+        ),
+        Strategy(
             "sdpa_attention",
             "library",
             "The forward spells attention out (softmax(q @ k^T * scale + bias) @ v): its own graph "
