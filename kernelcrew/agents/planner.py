@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -64,7 +65,8 @@ def _menu(state: CrewState) -> list[PlanStep]:
 
     The knowledge base's hits (``state.kb_hits``) shape the order: a strategy that won on this
     pattern and architecture comes first, and each strategy's tuning starts from the best known
-    parameters; otherwise own kernels come before compiler candidates.
+    parameters; otherwise the playbook's order holds (own kernels before library and compiler
+    candidates, unless a strategy ranks itself otherwise: :func:`playbook.applicable`).
     """
     from kernelcrew.agents import playbook
     from kernelcrew.knowledge_base import order_configs, preferred_strategies
@@ -96,9 +98,8 @@ def _menu(state: CrewState) -> list[PlanStep]:
                 )
             )
 
-    def order(step: PlanStep) -> tuple[int, int]:
-        known = won.index(step.strategy) if step.strategy in won else len(won)
-        return known, 0 if playbook.STRATEGIES[step.strategy].source_kind == "kernel" else 1
+    def order(step: PlanStep) -> int:
+        return won.index(step.strategy) if step.strategy in won else len(won)
 
     steps.sort(key=order)
     return steps
@@ -170,6 +171,8 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             }
     else:
         step = _plan_with_playbook(state, prefs)
+        if step is not None and not _fits_budget(state, step):
+            return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
     if step is None:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}
     ctx.emit("plan", strategy=step.strategy, params=step.params, rationale=step.rationale, source=step.source)
@@ -192,6 +195,44 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
             if s.strategy == wanted:
                 return s
     return menu[0] if menu else None
+
+
+def step_seconds(state: CrewState) -> list[float]:
+    """How long each finished step of the run took: from one decide to the next, the first from
+    the end of the baseline's phases (earlier work, such as the analysis, counts into it)."""
+    start = sum((state.baseline or {}).get("phase_s", {}).values())
+    out = []
+    for record in state.iterations:
+        mark = record.get("elapsed_s")
+        if mark is not None:
+            out.append(max(0.0, mark - start))
+            start = mark
+    return out
+
+
+def expected_seconds(state: CrewState, step: PlanStep) -> float:
+    """The longest step of the run so far, times the strategy's cost (0 before any step ended)."""
+    from kernelcrew.agents import playbook
+
+    strategy = playbook.STRATEGIES.get(step.strategy)
+    return max(step_seconds(state), default=0.0) * (strategy.cost if strategy else 1.0)
+
+
+def _fits_budget(state: CrewState, step: PlanStep) -> bool:
+    """Whether the step should end inside the time budget. On a GPU only: CPU steps are checks,
+    and their time says nothing about a GPU's."""
+    if state.options.device == "cpu" or not state.started_at:
+        return True
+    left = state.options.time_budget_s - (time.time() - state.started_at)
+    return expected_seconds(state, step) <= left
+
+
+def _budget_reason(state: CrewState, step: PlanStep) -> str:
+    left = state.options.time_budget_s - (time.time() - state.started_at)
+    return (
+        f"time budget: {max(left, 0):.0f} s of {state.options.time_budget_s:g} s left, the next step "
+        f"({step.strategy}) would take about {expected_seconds(state, step):.0f} s"
+    )
 
 
 def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None, str]:

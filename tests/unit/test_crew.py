@@ -324,3 +324,32 @@ def test_report_table_takes_eager_and_compile_from_the_final_measurement():
     text = render_markdown(report)
     assert "| eager | 2 ms | 1x |" in text
     assert "| torch.compile (default) | 1 ms | 2x |" in text
+
+
+def test_no_step_starts_that_would_end_past_the_time_budget():
+    """34 s of a 90 s budget left after a 31 s first step: another kernel step (about 31 s) starts,
+    a max-autotune compile (1.7x: its autotuning runs inside the step) does not. On the CPU, steps
+    are checks whose time says nothing, so nothing is held back there."""
+    from kernelcrew.agents.planner import _budget_reason, _fits_budget, step_seconds
+    from kernelcrew.agents.state import CrewState, Options, PlanStep
+
+    def state(device: str) -> CrewState:
+        return CrewState(
+            task_source="",
+            options=Options(device=device, time_budget_s=90.0),
+            baseline={"phase_s": {"golden": 14.0, "benchmark": 10.0}},
+            iterations=[{"step": 1, "elapsed_s": 55.0}],
+            started_at=time.time() - 56.0,
+        )
+
+    gpu = state("cuda")
+    assert step_seconds(gpu) == [31.0]
+    kernel = PlanStep(strategy="row_reduction", rationale="r", expected_gain=2.0, params={"num_warps": 4})
+    autotune = PlanStep(strategy="torch_compile_max_autotune", rationale="r", expected_gain=1.5)
+    assert _fits_budget(gpu, kernel)
+    assert not _fits_budget(gpu, autotune)
+    assert "would take about 53 s" in _budget_reason(gpu, autotune)
+    assert _fits_budget(state("cpu"), autotune)
+    first = state("cuda")
+    first.iterations = []
+    assert _fits_budget(first, autotune)  # no step ended yet: nothing to go by

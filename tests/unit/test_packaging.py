@@ -20,6 +20,7 @@ from tests.conftest import FIXTURES
 ROOT = Path(__file__).resolve().parents[2]
 POINTWISE = FIXTURES / "tasks" / "pointwise.py"
 GROUPNORM = FIXTURES / "tasks" / "rows" / "groupnorm_silu.py"
+LINEAR_RELU = FIXTURES / "tasks" / "linear_relu.py"
 
 
 def candidate(task: Path, strategy: str) -> str:
@@ -131,7 +132,10 @@ USER_MODEL = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("task", "strategy"), [(POINTWISE, "fused_pointwise"), (GROUPNORM, "row_reduction")])
+@pytest.mark.parametrize(
+    ("task", "strategy"),
+    [(POINTWISE, "fused_pointwise"), (GROUPNORM, "row_reduction"), (LINEAR_RELU, "matmul_epilogue")],
+)
 def test_packaged_best_works_inside_a_users_compiled_model(task, strategy, tmp_path):
     """The user's torch.compile(fullgraph=True) takes the module whole, as one custom op node, and
     computes what the reference does, at the task's shapes and at its other test shapes."""

@@ -4,7 +4,9 @@ Each strategy is one module with the same three functions:
 
 * ``match(analysis, **options) -> (plan | None, reason)``: whether it applies, and why (not);
 * ``generate(task_source, analysis, plan, params) -> str``: a complete candidate source;
-* ``tuning_space(plan, arch) -> list[dict]``: the ``params`` worth timing on an architecture class.
+* ``tuning_space(plan, arch) -> list[dict]``: the ``params`` worth timing on an architecture class;
+* optionally ``rank(plan) -> int``: where the playbook tries it (lower first). Without it own
+  kernels rank 0, library and compiler candidates 1.
 
 :data:`STRATEGIES` names each strategy with its module and options; adding one (reductions,
 matmul epilogues, attention...) is a new module and one entry here.
@@ -22,13 +24,16 @@ from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze
 
 @dataclass(frozen=True)
 class Strategy:
-    """One entry of the menu: ``source_kind`` is ``kernel``, ``compiler`` or ``library``."""
+    """One entry of the menu: ``source_kind`` is ``kernel``, ``compiler`` or ``library``; ``cost``:
+    how long a step of it takes against the run's longest step so far (the planner starts no step
+    that would end past the time budget)."""
 
     name: str
     source_kind: str
     description: str
     module: str = ""
     options: tuple[tuple[str, Any], ...] = ()
+    cost: float = 1.0
 
     def implementation(self) -> ModuleType:
         """The module with ``match``/``generate``/``tuning_space``."""
@@ -40,6 +45,13 @@ class Strategy:
 
     def tuning_space(self, plan: Any, arch: str) -> list[dict[str, Any]]:
         return self.implementation().tuning_space(plan, arch)
+
+    def rank(self, plan: Any) -> int:
+        """Where the playbook tries this strategy for ``plan``, lower first."""
+        module = self.implementation()
+        if hasattr(module, "rank"):
+            return module.rank(plan)
+        return 0 if self.source_kind == "kernel" else 1
 
 
 _PKG = __name__
@@ -100,19 +112,23 @@ STRATEGIES: dict[str, Strategy] = {
             "(autotuned Triton templates, longer compile), dynamic=False.",
             module=f"{_PKG}.compiler",
             options=(("mode", "max-autotune-no-cudagraphs"),),
+            # its autotuning runs inside the step: in the H100 suite's runs its steps took 0.7-1.7x
+            # as long as the same run's default-mode step (bench/results/suite_h100_runs)
+            cost=1.7,
         ),
     )
 }
 
 
 def applicable(analysis: TaskAnalysis) -> list[tuple[Strategy, str]]:
-    """Every strategy that applies to the analysed task, with the reason it applies, in menu order."""
+    """Every strategy that applies to the analysed task, with the reason it applies, in the order
+    the playbook tries them: by :meth:`Strategy.rank`, then menu order."""
     found = []
     for strategy in STRATEGIES.values():
         plan, reason = strategy.match(analysis)
         if plan is not None:
-            found.append((strategy, reason))
-    return found
+            found.append((strategy.rank(plan), len(found), strategy, reason))
+    return [(strategy, reason) for _, _, strategy, reason in sorted(found)]
 
 
 def rejected(analysis: TaskAnalysis) -> dict[str, str]:
