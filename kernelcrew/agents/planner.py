@@ -64,19 +64,19 @@ def _menu(state: CrewState) -> list[PlanStep]:
     """Every playbook step applicable to the task, in the order the playbook would try them.
 
     The knowledge base's hits (``state.kb_hits``) shape the order: a strategy that won on this
-    pattern and architecture comes first, and each strategy's tuning starts from the best known
+    pattern and architecture, on tasks of the same dtypes, comes first, and each strategy's tuning starts from the best known
     parameters; otherwise the playbook's order holds (own kernels before library and compiler
     candidates, unless a strategy ranks itself otherwise: :func:`playbook.applicable`).
     """
     from kernelcrew.agents import playbook
-    from kernelcrew.knowledge_base import order_configs, preferred_strategies
+    from kernelcrew.knowledge_base import from_analysis, order_configs, preferred_strategies
 
     analysis = playbook.TaskAnalysis(
         (state.baseline or {}).get("analysis") or {}, task_source=state.task_source, task_path=state.task_path
     )
     arch = "cpu" if state.options.device == "cpu" else state.baseline.get("arch", "sm_90")
     hits = state.kb_hits or []
-    won = preferred_strategies(hits)
+    won = preferred_strategies(hits, from_analysis(analysis.to_dict()).text)
     steps: list[PlanStep] = []
     for strategy, reason in playbook.applicable(analysis):
         configs = order_configs(

@@ -316,9 +316,26 @@ def hit_line(hit: Mapping[str, Any]) -> str:
     )
 
 
-def preferred_strategies(hits: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Strategies the knowledge base shows *won* (verified hits), best hit first, each once."""
-    return list(dict.fromkeys(h["strategy"] for h in hits if h.get("source") == "verified"))
+def _dtypes(signature: str) -> str:
+    found = re.search(r"dtypes=([^|]*)", signature or "")
+    return found.group(1).strip() if found else "?"
+
+
+def preferred_strategies(hits: Iterable[Mapping[str, Any]], task: str | None = None) -> list[str]:
+    """Strategies the knowledge base shows *won* (verified hits), best hit first, each once.
+
+    With the task's signature line, only wins on tasks of the same dtypes count: which strategy
+    wins turns on them (TF32x3 beats cuBLAS on float32 layers, cuBLAS beats the same kernel on
+    float16 ones: ``bench/results/matmul_epilogue.md``).
+    """
+    want = None if task is None else _dtypes(task)
+    return list(
+        dict.fromkeys(
+            h["strategy"]
+            for h in hits
+            if h.get("source") == "verified" and (want is None or _dtypes(h.get("signature", "")) == want)
+        )
+    )
 
 
 def order_configs(

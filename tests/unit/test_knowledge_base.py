@@ -730,6 +730,20 @@ def test_best_known_params_come_first_then_seed_ranges():
     assert preferred_strategies(hits) == ["fused_pointwise", "torch_compile"]
 
 
+def test_wins_on_other_dtypes_do_not_reorder_the_menu():
+    """A float32 linear task's matmul_epilogue win (TF32x3) is no reason to try the same kernel
+    first on a float16 one, where cuBLAS is faster; a float16 win is."""
+    line = "ops=linear>{} | dtypes={} | shape=rows:4k-16k,cols:1k-4k"
+    hits = [
+        {"source": "verified", "strategy": "matmul_epilogue", "signature": line.format("mul>add", "float32")},
+        {"source": "verified", "strategy": "cublaslt_epilogue", "signature": line.format("relu", "float16")},
+        {"source": "seed", "strategy": "torch_compile", "signature": line.format("gelu", "float16")},
+    ]
+    assert preferred_strategies(hits, line.format("gelu", "float16")) == ["cublaslt_epilogue"]
+    assert preferred_strategies(hits, line.format("gelu", "float32")) == ["matmul_epilogue"]
+    assert preferred_strategies(hits) == ["matmul_epilogue", "cublaslt_epilogue"]
+
+
 def test_arrows_point_one_way():
     """knowledge_base imports nothing of the agents, the API or the workers (they import it).
 
