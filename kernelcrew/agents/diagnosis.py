@@ -192,8 +192,8 @@ def _ncu_remedies(
         if floor.get("matmul_flops") and tensor < 10:
             if floor.get("compute_class") == "fp32":
                 rem.append(
-                    "matmuls run on FP32 SIMT units (tensor pipe idle): TF32 or bf16 tensor cores need "
-                    "--precision relaxed"
+                    "matmuls run on FP32 SIMT units (tensor pipe idle): three TF32 tensor-core products "
+                    "per term (TF32x3) keep float32 accuracy; plain TF32 or bf16 need --precision relaxed"
                 )
             else:
                 rem.append("matmuls do not use the tensor cores: a tensor-core (tl.dot) kernel")

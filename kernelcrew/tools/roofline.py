@@ -13,7 +13,9 @@ what the hardware can be shown to do here.
 
 A task's floor is the time a perfect implementation needs: ``max(bytes / DRAM bandwidth,
 matmul flops / matmul peak + other flops / fp32 peak)``, with the bytes and flops measured from the
-reference (:func:`kernelcrew.tools.harness.measure_work`).
+reference (:func:`kernelcrew.tools.harness.measure_work`). A float32 matmul's peak is the better of
+the CUDA cores' and a third of TF32's: three TF32 tensor-core products per term (TF32x3) keep
+float32 accuracy, as the playbook's ``matmul_epilogue`` does.
 """
 
 from __future__ import annotations
@@ -192,6 +194,9 @@ def floor(work: dict[str, Any], peaks: Peaks) -> dict[str, Any]:
     klass = work.get("compute_class") or "fp32"
     mm_peak = peaks.compute_peak(klass)
     fp32_peak = peaks.compute_peak("fp32")
+    tf32_peak = peaks.compute.get("tf32")
+    if klass == "fp32" and mm_peak and tf32_peak:  # float32 accuracy on the tensor cores: TF32x3
+        mm_peak = max(mm_peak, tf32_peak / 3)
     out: dict[str, Any] = {
         "bytes": nbytes,
         "flops": mm_flops + other_flops,

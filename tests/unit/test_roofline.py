@@ -134,9 +134,19 @@ def test_diagnosis_reads_each_kernel_from_its_own_metrics():
     assert a["bound"] == "memory" and b["bound"] == "compute"
     assert 3 <= len(a["evidence"]) <= 5 and 3 <= len(b["evidence"]) <= 5
     assert any("fusing" in r for r in a["remedies"])  # moves ~4x the compulsory bytes
-    assert any("relaxed" in r for r in b["remedies"])  # fp32 SIMT gemm, idle tensor pipe
+    assert any("relaxed" in r and "TF32x3" in r for r in b["remedies"])  # fp32 SIMT gemm, idle tensor pipe
     assert render(a, pointwise) != render(b, gemm)
     assert "floor" in render(a, pointwise) and a["sol_fraction"] < 1
+
+
+def test_a_float32_matmuls_floor_counts_tf32x3():
+    """Float32 accuracy on the tensor cores (three TF32 products) beats the H100's CUDA cores:
+    a strict float32 GEMM's floor uses a third of the TF32 peak, not the 67 TFLOP/s of FP32."""
+    peaks = roofline.Peaks("H100", "datasheet", dram_gbs=3350.0, compute={"fp32": 67.0, "tf32": 494.5})
+    work = {"bytes": 4 * 3 * 4096**2, "matmul_flops": 2 * 4096**3, "compute_class": "fp32"}
+    assert roofline.floor(work, peaks)["compute_tflops"] == pytest.approx(494.5 / 3)
+    no_tf32 = roofline.Peaks("old", "datasheet", dram_gbs=900.0, compute={"fp32": 15.7})
+    assert roofline.floor(work, no_tf32)["compute_tflops"] == 15.7
 
 
 def test_launch_bound_when_the_gpu_idles():
