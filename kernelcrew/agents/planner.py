@@ -171,7 +171,7 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             }
     else:
         step = _plan_with_playbook(state, prefs)
-        if step is not None and not _fits_budget(state, step):
+        if step is not None and not _fits_budget(state, step):  # nothing left that fits
             return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
     if step is None:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}
@@ -194,7 +194,8 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
         for s in menu:
             if s.strategy == wanted:
                 return s
-    return menu[0] if menu else None
+    # the first step expected to end inside the time budget; the first of all when none is
+    return next((s for s in menu if _fits_budget(state, s)), menu[0] if menu else None)
 
 
 def step_seconds(state: CrewState) -> list[float]:

@@ -176,10 +176,13 @@ def test_operand_modes():
 
 
 def test_rank_and_tuning_follow_the_measurements():
-    """float32 layers (TF32x3 beat cuBLAS 1.6x on the H100) are tried first; fp16/bf16 ones (cuBLAS
-    1.1-1.5x faster) after the library and compiler candidates. bench/results/matmul_epilogue.md."""
+    """float32 layers (TF32x3 beat cuBLAS 1.7x on the H100) and gated pairs are tried first; one
+    fp16/bf16 layer (cuBLAS 1.2-1.3x faster) after the library and compiler candidates.
+    bench/results/matmul_epilogue.md."""
     fp32 = local_analysis(TASKS["residual_fp32"])
     assert next(s.name for s, _ in applicable(fp32)) == "matmul_epilogue"
+    gated = local_analysis(TASKS["swiglu_fp16"])  # two fp16 layers: beat cuBLAS + compile
+    assert next(s.name for s, _ in applicable(gated)) == "matmul_epilogue"
     relu = task(
         "self.fc = nn.Linear(32, 16, dtype=torch.float16)",
         "return torch.relu(self.fc(x))",

@@ -268,7 +268,12 @@ CONFIGS: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {
         (128, 128, 32, 4, 4),
         (128, 256, 64, 8, 3),
     ],
-    ("sm_90", "dual"): [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 64, 64, 8, 3), (128, 64, 64, 4, 4)],
+    ("sm_90", "dual"): [
+        (128, 128, 64, 8, 4),
+        (128, 128, 64, 8, 3),
+        (128, 128, 32, 8, 5),
+        (256, 64, 64, 8, 3),
+    ],
     ("sm_90", "tf32x3"): [
         (128, 64, 32, 4, 4),
         (128, 64, 32, 4, 3),
@@ -282,10 +287,15 @@ CONFIGS: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {
 
 
 def rank(plan: MatmulPlan) -> int:
-    """Float32 layers first: TF32x3 on the tensor cores beats cuBLAS's float32 GEMM (1.6x on the
-    H100). fp16/bf16 layers after the library and compiler candidates: there cuBLAS(Lt) ran 1.1-1.5x
-    faster than this kernel's tile loop (``bench/results/matmul_epilogue.md``)."""
-    return 0 if plan.dtype == "float32" else 2
+    """Where the playbook tries this kernel, from ``bench/results/matmul_epilogue.md`` (H100):
+
+    * float32 layers first: TF32x3 on the tensor cores runs 1.7x faster than cuBLAS's float32 GEMM;
+    * a gated pair of fp16/bf16 layers first: sharing each input tile and never writing the two
+      intermediate outputs beats two cuBLAS GEMMs and a fused pointwise kernel (1.03-1.04x);
+    * one fp16/bf16 layer after the library and compiler candidates: cuBLAS(Lt) fuses the same
+      epilogues and its tile loop ran 1.2-1.3x faster than this one.
+    """
+    return 2 if plan.dtype != "float32" and len(plan.layers) == 1 else 0
 
 
 def _kind(plan: MatmulPlan) -> str:
@@ -360,8 +370,11 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params:
         "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
         "rk = tl.arange(0, BLOCK_K)",
         "# rows and columns past the edge read row/column 0 again; their results are not stored",
-        "am = (rm % M).to(tl.int64)",
-        "wn = (rn % N).to(tl.int64)",
+        "am = rm % M",
+        "wn = rn % N",
+        "if INDEX64:  # an operand or the output has 2**31 elements or more",
+        "    am = am.to(tl.int64)",
+        "    wn = wn.to(tl.int64)",
         "a_ptrs = a_ptr + am[:, None] * stride_am + rk[None, :] * stride_ak",
         "w_off = wn[None, :] * stride_wn + rk[:, None] * stride_wk",
     ]
@@ -369,10 +382,14 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params:
         body += [f"w{j}_ptrs = w{j}_ptr + w_off", f"acc{j} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)"]
     body += [
         "for k in range(0, tl.cdiv(K, BLOCK_K)):",
-        "    k_mask = rk < K - k * BLOCK_K",
-        "    a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)",
+        "    if EVEN_K:  # BLOCK_K divides K: no step reads past the end of a row",
+        "        a = tl.load(a_ptrs)",
+        *(f"        b{j} = tl.load(w{j}_ptrs)" for j in range(n_layers)),
+        "    else:",
+        "        k_mask = rk < K - k * BLOCK_K",
+        "        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)",
+        *(f"        b{j} = tl.load(w{j}_ptrs, mask=k_mask[:, None], other=0.0)" for j in range(n_layers)),
     ]
-    body += [f"    b{j} = tl.load(w{j}_ptrs, mask=k_mask[:, None], other=0.0)" for j in range(n_layers)]
     body += [
         "    if WIDEN:  # the interpreter multiplies bfloat16 as raw bits",
         "        a = a.to(tl.float32)",
@@ -383,7 +400,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params:
     body += [
         "    a_ptrs += BLOCK_K * stride_ak",
         "# the epilogue, on the fp32 tile",
-        "rows = rm.to(tl.int64)",
+        "rows = rm.to(tl.int64) if INDEX64 else rm",
         "mask = (rm[:, None] < M) & (rn[None, :] < N)",
     ]
     for j, layer in enumerate(plan.layers):
@@ -434,6 +451,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params:
     forward_sig = ", ".join(["self", *(_forward_param(arg) for arg in ep.forward_args)])
     out_dtype = ep.out_dtype
     mode_source = inspect.getsource(operand_mode)
+    w_args_numel = ", ".join(f"w{j}.numel()" for j in range(n_layers))
     return f'''"""Matmul with a fused epilogue (kernelcrew playbook, strategy matmul_epilogue).
 
 Layers: {layers_desc}, {plan.dtype}{", products in TF32x3 (float32 accuracy)" if precision else ""}.
@@ -456,7 +474,7 @@ def matmul_epilogue_kernel(
     a_ptr, {weights}, {operand_ptrs}out_ptr,
     M, N, K,
     stride_am, stride_ak, stride_wn, stride_wk,
-    {modes}WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    {modes}WIDEN: tl.constexpr, EVEN_K: tl.constexpr, INDEX64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
 {kernel_body}
 
@@ -490,6 +508,8 @@ def matmul_epilogue({signature}):
         M, N, K,
         a.stride(0), a.stride(1), w0.stride({stride_wn}), w0.stride({stride_wk}),
         {mode_args}WIDEN=x.dtype == torch.bfloat16 and x.device.type == "cpu",
+        EVEN_K=K % {p["BLOCK_K"]} == 0,
+        INDEX64=max(a.numel(), {w_args_numel}, out.numel(), *(t.numel() for t in ops)) >= 2**31,
         BLOCK_M={p["BLOCK_M"]}, BLOCK_N={p["BLOCK_N"]}, BLOCK_K={p["BLOCK_K"]}, GROUP_M={p["GROUP_M"]},
         num_warps={p["num_warps"]}, num_stages={p["num_stages"]},
     )

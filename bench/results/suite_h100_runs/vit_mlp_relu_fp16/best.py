@@ -1,0 +1,32 @@
+"""cuBLASLt epilogue (kernelcrew playbook): the linear layer's bias and activation applied inside
+the GEMM (torch._addmm_activation) on CUDA tensors; the unfused ops elsewhere. Library candidate.
+The reference is copied as _Reference; ModelNew inherits its parameters.
+"""
+
+import torch
+import torch.nn as nn
+
+
+class _Reference(nn.Module):
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden, dtype=torch.float16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class ModelNew(_Reference):
+    """_Reference with its linear layer and activation in one cuBLASLt call."""
+
+    def forward(self, x):
+        weight = self.get_parameter('fc.weight')
+        bias = self.get_parameter('fc.bias')
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.is_cuda:
+            out = torch._addmm_activation(bias, rows, weight.t(), use_gelu=False)
+        else:
+            out = torch.nn.functional.linear(rows, weight, bias)
+            out = torch.relu(out)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
