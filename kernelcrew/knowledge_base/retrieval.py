@@ -316,24 +316,26 @@ def hit_line(hit: Mapping[str, Any]) -> str:
     )
 
 
-def _dtypes(signature: str) -> str:
-    found = re.search(r"dtypes=([^|]*)", signature or "")
-    return found.group(1).strip() if found else "?"
+def _pattern(signature: str) -> tuple[str, str]:
+    """The ops and dtypes parts of a signature line (its shape class left out)."""
+    parts = dict(p.strip().split("=", 1) for p in (signature or "").split("|") if "=" in p)
+    return parts.get("ops", "?").strip(), parts.get("dtypes", "?").strip()
 
 
 def preferred_strategies(hits: Iterable[Mapping[str, Any]], task: str | None = None) -> list[str]:
     """Strategies the knowledge base shows *won* (verified hits), best hit first, each once.
 
-    With the task's signature line, only wins on tasks of the same dtypes count: which strategy
-    wins turns on them (TF32x3 beats cuBLAS on float32 layers, cuBLAS beats the same kernel on
-    float16 ones: ``bench/results/matmul_epilogue.md``).
+    With the task's signature line, only wins on the same pattern count: the same ops on the same
+    dtypes, at any shape. Which strategy wins turns on both: TF32x3 beats cuBLAS on float32 layers
+    and loses to it on float16 ones, and a float16 gated pair that the Triton matmul won says
+    nothing of one float16 layer, where cuBLASLt wins (``bench/results/matmul_epilogue.md``).
     """
-    want = None if task is None else _dtypes(task)
+    want = None if task is None else _pattern(task)
     return list(
         dict.fromkeys(
             h["strategy"]
             for h in hits
-            if h.get("source") == "verified" and (want is None or _dtypes(h.get("signature", "")) == want)
+            if h.get("source") == "verified" and (want is None or _pattern(h.get("signature", "")) == want)
         )
     )
 

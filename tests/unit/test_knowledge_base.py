@@ -730,17 +730,28 @@ def test_best_known_params_come_first_then_seed_ranges():
     assert preferred_strategies(hits) == ["fused_pointwise", "torch_compile"]
 
 
-def test_wins_on_other_dtypes_do_not_reorder_the_menu():
-    """A float32 linear task's matmul_epilogue win (TF32x3) is no reason to try the same kernel
-    first on a float16 one, where cuBLAS is faster; a float16 win is."""
-    line = "ops=linear>{} | dtypes={} | shape=rows:4k-16k,cols:1k-4k"
+def test_only_wins_on_the_same_pattern_reorder_the_menu():
+    """A float32 linear task's matmul_epilogue win (TF32x3) is no reason to try that kernel first
+    on a float16 one, nor is a float16 gated pair's win on one float16 layer; a win on the same
+    ops and dtypes at another shape is."""
+    line = "ops=linear>{} | dtypes={} | shape=2d rows={}"
     hits = [
-        {"source": "verified", "strategy": "matmul_epilogue", "signature": line.format("mul>add", "float32")},
-        {"source": "verified", "strategy": "cublaslt_epilogue", "signature": line.format("relu", "float16")},
-        {"source": "seed", "strategy": "torch_compile", "signature": line.format("gelu", "float16")},
+        {"source": "verified", "strategy": "matmul_epilogue", "signature": line.format("add", "float32", 64)},
+        {
+            "source": "verified",
+            "strategy": "matmul_epilogue",
+            "signature": line.format("silu>mul", "float16", 64),
+        },
+        {
+            "source": "verified",
+            "strategy": "cublaslt_epilogue",
+            "signature": line.format("relu", "float16", 8),
+        },
+        {"source": "seed", "strategy": "torch_compile", "signature": line.format("relu", "float16", 64)},
     ]
-    assert preferred_strategies(hits, line.format("gelu", "float16")) == ["cublaslt_epilogue"]
-    assert preferred_strategies(hits, line.format("gelu", "float32")) == ["matmul_epilogue"]
+    assert preferred_strategies(hits, line.format("relu", "float16", 4096)) == ["cublaslt_epilogue"]
+    assert preferred_strategies(hits, line.format("add", "float32", 4096)) == ["matmul_epilogue"]
+    assert preferred_strategies(hits, line.format("gelu", "float16", 64)) == []
     assert preferred_strategies(hits) == ["matmul_epilogue", "cublaslt_epilogue"]
 
 
