@@ -63,10 +63,11 @@ def step_key(strategy: str, params: dict[str, Any]) -> str:
 def _menu(state: CrewState) -> list[PlanStep]:
     """Every playbook step applicable to the task, in the order the playbook would try them.
 
-    The knowledge base's hits (``state.kb_hits``) shape the order: a strategy that won on this
-    pattern and architecture, on tasks of the same dtypes, comes first, and each strategy's tuning starts from the best known
-    parameters; otherwise the playbook's order holds (own kernels before library and compiler
-    candidates, unless a strategy ranks itself otherwise: :func:`playbook.applicable`).
+    The knowledge base's hits (``state.kb_hits``) shape the order: the best-known configuration of
+    a strategy that won on this pattern (same ops and dtypes) and architecture comes first, and
+    each strategy's tuning starts from the best known parameters; otherwise the playbook's order
+    holds (own kernels before library and compiler candidates, unless a strategy ranks itself
+    otherwise: :func:`playbook.applicable`).
     """
     from kernelcrew.agents import playbook
     from kernelcrew.knowledge_base import from_analysis, order_configs, preferred_strategies
@@ -98,11 +99,20 @@ def _menu(state: CrewState) -> list[PlanStep]:
                 )
             )
 
-    def order(step: PlanStep) -> int:
-        return won.index(step.strategy) if step.strategy in won else len(won)
+    # A past win earns its strategy's best-known configuration the first step, not every step:
+    # the other strategies' first tries stay ahead of its remaining configurations, so a win that
+    # a run recorded without trying everything cannot keep the better strategy from being tried.
+    first = {}
+    for i, step in enumerate(steps):
+        first.setdefault(step.strategy, i)
 
-    steps.sort(key=order)
-    return steps
+    def order(item: tuple[int, PlanStep]) -> tuple[int, int]:
+        i, step = item
+        if step.strategy in won and first[step.strategy] == i:
+            return 0, won.index(step.strategy)
+        return 1, i
+
+    return [step for _, step in sorted(enumerate(steps), key=order)]
 
 
 def _guidance(state: CrewState) -> tuple[dict[str, Any], list[str]]:

@@ -353,3 +353,46 @@ def test_no_step_starts_that_would_end_past_the_time_budget():
     first = state("cuda")
     first.iterations = []
     assert _fits_budget(first, autotune)  # no step ended yet: nothing to go by
+
+
+def test_a_past_win_earns_its_strategy_the_first_step_not_every_step():
+    """One fp16 linear layer with ReLU, where an earlier run recorded a Triton matmul win (without
+    trying cuBLASLt): that configuration goes first, then each other strategy's first try, then
+    the matmul's other configurations."""
+    from pathlib import Path
+
+    from kernelcrew.agents.planner import _menu
+    from kernelcrew.agents.playbook.analysis import analyze_child
+    from kernelcrew.agents.state import CrewState, Options
+    from kernelcrew.knowledge_base import from_analysis
+    from tests.unit.test_matmul import task
+
+    source = task(
+        "self.fc = nn.Linear(64, 32, dtype=torch.float16)",
+        "return torch.relu(self.fc(x))",
+        "torch.randn(16, 64, dtype=torch.float16)",
+        "[]",
+    )
+    analysis = analyze_child({"task_source": source, "task_path": "t.py", "seed": 0}, Path("."))
+    params = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    hit = {
+        "source": "verified",
+        "strategy": "matmul_epilogue",
+        "params": params,
+        "exact_signature": True,
+        "signature": from_analysis(analysis).text,
+    }
+    state = CrewState(
+        task_source=source,
+        options=Options(device="cuda"),
+        baseline={"analysis": analysis, "arch": "sm_90"},
+        kb_hits=[hit],
+    )
+    menu = [(s.strategy, s.params) for s in _menu(state)]
+    assert menu[0] == ("matmul_epilogue", params)
+    assert [name for name, _ in menu[1:4]] == [
+        "cublaslt_epilogue",
+        "torch_compile",
+        "torch_compile_max_autotune",
+    ]
+    assert {name for name, _ in menu[4:]} == {"matmul_epilogue"}
