@@ -14,7 +14,7 @@ from kernelcrew.agents.planner import _menu
 from kernelcrew.agents.run import OptimizeRequest, run_optimize
 from kernelcrew.agents.state import Candidate, CrewState, Options
 from kernelcrew.config import Settings
-from kernelcrew.knowledge_base import KnowledgeBase
+from kernelcrew.knowledge_base import KnowledgeBase, from_analysis
 from kernelcrew.tools.packaging import unpack
 from tests.conftest import FIXTURES
 
@@ -143,13 +143,15 @@ def test_the_playbook_prefers_what_won_and_starts_tuning_from_its_params(first_j
     )
     plain = _menu(state)
     assert plain[0].strategy == "fused_pointwise" and plain[0].params == {"BLOCK_SIZE": 1024, "num_warps": 4}
+    same = from_analysis(analysis).text  # wins on this pattern (ops and dtypes)
     hits = [
-        {"source": "verified", "strategy": "torch_compile", "params": {}},
+        {"source": "verified", "strategy": "torch_compile", "params": {}, "signature": same},
         {
             "source": "verified",
             "strategy": "fused_pointwise",
             "params": {"BLOCK_SIZE": 4096, "num_warps": 8},
             "exact_signature": True,
+            "signature": same,
         },
     ]
     menu = _menu(CrewState(**{**state.__dict__, "kb_hits": hits}))
