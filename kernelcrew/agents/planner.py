@@ -77,11 +77,12 @@ def _menu(state: CrewState) -> list[PlanStep]:
     )
     arch = "cpu" if state.options.device == "cpu" else state.baseline.get("arch", "sm_90")
     hits = state.kb_hits or []
-    won = preferred_strategies(hits, from_analysis(analysis.to_dict()).text)
+    signature = from_analysis(analysis.to_dict()).text
+    won = preferred_strategies(hits, signature)
     steps: list[PlanStep] = []
     for strategy, reason in playbook.applicable(analysis):
         configs = order_configs(
-            playbook.tuning_space(strategy.name, analysis, arch) or [{}], hits, strategy.name
+            playbook.tuning_space(strategy.name, analysis, arch) or [{}], hits, strategy.name, signature
         )
         if state.options.device == "cpu":
             configs = configs[:1]  # CPU timings never drive a decision: one config is enough

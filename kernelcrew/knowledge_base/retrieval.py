@@ -341,17 +341,22 @@ def preferred_strategies(hits: Iterable[Mapping[str, Any]], task: str | None = N
 
 
 def order_configs(
-    configs: Sequence[Mapping[str, Any]], hits: Iterable[Mapping[str, Any]], strategy: str
+    configs: Sequence[Mapping[str, Any]],
+    hits: Iterable[Mapping[str, Any]],
+    strategy: str,
+    task: str | None = None,
 ) -> list[dict[str, Any]]:
     """A strategy's tuning configurations with the best known first.
 
     Parameters of verified wins for ``strategy`` on the task's own signature come first, in hit
     order; then the playbook's first configuration (its choice for the task's shape class); then
     the parameters of wins on other tasks (a win on 8192-column rows says little about 128256-column
-    ones). Wins are added when the space lacks them but names the same parameters with scalar
-    values. Then the configurations that a seed recommends (each parameter within its list of
-    values), then the rest, in their order.
+    ones), of the same dtypes when the task's signature line is given (a float32 matmul's tile
+    says nothing of a float16 one's). Wins are added when the space lacks them but names the same
+    parameters with scalar values. Then the configurations that a seed recommends (each parameter
+    within its list of values), then the rest, in their order.
     """
+    dtypes = None if task is None else _pattern(task)[1]
     ordered = [dict(c) for c in configs]
     relevant = [h for h in hits if h.get("strategy") == strategy]
     keys = {frozenset(c) for c in ordered}
@@ -361,8 +366,11 @@ def order_configs(
         params = dict(hit.get("params") or {})
         scalar = all(isinstance(v, bool | int | float | str) for v in params.values())
         usable = hit.get("source") == "verified" and params and scalar and frozenset(params) in keys
+        exact = bool(hit.get("exact_signature"))
+        if not exact and dtypes is not None and _pattern(hit.get("signature", ""))[1] != dtypes:
+            continue
         if usable and params not in same + other:
-            (same if hit.get("exact_signature") else other).append(params)
+            (same if exact else other).append(params)
     known: list[dict[str, Any]] = []
     for config in [*same, *ordered[:1], *other]:
         if config not in known:

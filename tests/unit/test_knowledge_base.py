@@ -753,6 +753,17 @@ def test_only_wins_on_the_same_pattern_reorder_the_menu():
     assert preferred_strategies(hits, line.format("add", "float32", 4096)) == ["matmul_epilogue"]
     assert preferred_strategies(hits, line.format("gelu", "float16", 64)) == []
     assert preferred_strategies(hits) == ["matmul_epilogue", "cublaslt_epilogue"]
+    # nor does a float32 win's tile come second for a float16 task
+    tf32, half = {"BLOCK_M": 128, "BLOCK_N": 64}, {"BLOCK_M": 256, "BLOCK_N": 128}
+    hits[0]["params"], hits[1]["params"] = tf32, {"BLOCK_M": 128, "BLOCK_N": 128}
+    space = [half, {"BLOCK_M": 128, "BLOCK_N": 128}, tf32]
+    task = line.format("silu>mul", "float16", 4096)
+    assert order_configs(space, hits, "matmul_epilogue", task) == [
+        half,
+        {"BLOCK_M": 128, "BLOCK_N": 128},
+        tf32,
+    ]
+    assert order_configs(space, hits, "matmul_epilogue")[1] == tf32  # without the task: any dtype
 
 
 def test_arrows_point_one_way():
