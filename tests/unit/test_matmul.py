@@ -146,6 +146,13 @@ def test_candidate_passes_the_verifier_as_an_own_kernel(name):
             "x",
             "float64",
         ),
+        (
+            "self.fc = nn.Linear(8, 4); self.w = nn.Parameter(torch.randn(8, 4))",
+            "return self.fc(x) * (x @ self.w)",
+            "torch.randn(3, 8)",
+            "x",
+            "the other x @ W",
+        ),
     ],
     ids=[
         "input-computed",
@@ -156,6 +163,7 @@ def test_candidate_passes_the_verifier_as_an_own_kernel(name):
         "reduced",
         "broadcast-residual",
         "float64",
+        "linear-and-matmul",
     ],
 )
 def test_what_is_not_a_matmul_epilogue_says_why(init, forward, inputs, args, reason):

@@ -195,6 +195,8 @@ def _match(a: TaskAnalysis) -> MatmulPlan:
         raise Unsupported("the forward has no linear layer or matmul by a parameter")
     if len(lowering.inputs) != 1:
         raise Unsupported("the linear layers take different inputs")
+    if len({layer.transposed for layer in layers}) != 1:  # the kernel walks both weights alike
+        raise Unsupported("one layer is F.linear (weight [N, K]), the other x @ W (weight [K, N])")
     x = a.node(next(iter(lowering.inputs)))
     dtype, x_shape = x.get("dtype"), tuple(x.get("shape") or ())
     if dtype not in DTYPES or len(x_shape) < 1:
