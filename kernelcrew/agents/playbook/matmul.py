@@ -433,13 +433,12 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params:
 
     # --- host ---
     w_args = ", ".join(f"w{j}" for j in range(n_layers))
-    e_args = ", ".join(f"e{i}" for i in loaded)
-    signature = ", ".join(a for a in ("x", w_args, e_args) if a)
+    e_list = ", ".join(f"e{i}" for i in loaded)
+    signature = ", ".join(a for a in ("x", w_args, e_list) if a)
     transposed = plan.layers[0].transposed
     n_expr = "w0.shape[1]" if transposed else "w0.shape[0]"
     stride_wn, stride_wk = ("1", "0") if transposed else ("0", "1")
     mode_args = "".join(f"MODE{i}=modes[{k}], " for k, i in enumerate(loaded))
-    e_list = ", ".join(f"e{i}" for i in loaded)
     ops_desc = ", ".join(o for o in dict.fromkeys(ep.ops) if o not in MATMUL_OPS | {LINEAR}) or "none"
     layers_desc = ", ".join(
         f"{layer.weight} ({'[K, N]' if layer.transposed else '[N, K]'})" for layer in plan.layers
@@ -504,6 +503,7 @@ def matmul_epilogue({signature}):
             t, mode = t.expand(out_shape), FULL
         ops.append(t.contiguous())
         modes.append(mode)
+    a_extent = (M - 1) * a.stride(0) + (K - 1) * a.stride(1) + 1  # elements a strided view spans
     grid = (triton.cdiv(M, {p["BLOCK_M"]}) * triton.cdiv(N, {p["BLOCK_N"]}),)
     matmul_epilogue_kernel[grid](
         a, {w_args}, *ops, out,
@@ -511,7 +511,7 @@ def matmul_epilogue({signature}):
         a.stride(0), a.stride(1), w0.stride({stride_wn}), w0.stride({stride_wk}),
         {mode_args}WIDEN=x.dtype == torch.bfloat16 and x.device.type == "cpu",
         EVEN_K=K % {p["BLOCK_K"]} == 0,
-        INDEX64=max(a.numel(), {w_args_numel}, out.numel(), *(t.numel() for t in ops)) >= 2**31,
+        INDEX64=max(a_extent, {w_args_numel}, out.numel(), *(t.numel() for t in ops)) >= 2**31,
         BLOCK_M={p["BLOCK_M"]}, BLOCK_N={p["BLOCK_N"]}, BLOCK_K={p["BLOCK_K"]}, GROUP_M={p["GROUP_M"]},
         num_warps={p["num_warps"]}, num_stages={p["num_stages"]},
     )
