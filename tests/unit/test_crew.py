@@ -327,8 +327,9 @@ def test_report_table_takes_eager_and_compile_from_the_final_measurement():
 
 
 def test_no_step_starts_that_would_end_past_the_time_budget():
-    """34 s of a 90 s budget left after a 31 s first step: another kernel step (about 31 s) starts,
-    a max-autotune compile (1.7x: its autotuning runs inside the step) does not. On the CPU, steps
+    """64 s of a 120 s budget left after a 31 s first step, 17 s of it kept for the final report
+    (1.7x the baseline's 10 s timing phase): another kernel step (about 31 s) starts, a
+    max-autotune compile (1.7x: its autotuning runs inside the step) does not. On the CPU, steps
     are checks whose time says nothing, so nothing is held back there."""
     from kernelcrew.agents.planner import _budget_reason, _fits_budget, step_seconds
     from kernelcrew.agents.state import CrewState, Options, PlanStep
@@ -336,7 +337,7 @@ def test_no_step_starts_that_would_end_past_the_time_budget():
     def state(device: str) -> CrewState:
         return CrewState(
             task_source="",
-            options=Options(device=device, time_budget_s=90.0),
+            options=Options(device=device, time_budget_s=120.0),
             baseline={"phase_s": {"golden": 14.0, "benchmark": 10.0}},
             iterations=[{"step": 1, "elapsed_s": 55.0}],
             started_at=time.time() - 56.0,
@@ -348,7 +349,11 @@ def test_no_step_starts_that_would_end_past_the_time_budget():
     autotune = PlanStep(strategy="torch_compile_max_autotune", rationale="r", expected_gain=1.5)
     assert _fits_budget(gpu, kernel)
     assert not _fits_budget(gpu, autotune)
+    assert "47 s of 120 s left after the final report's share" in _budget_reason(gpu, autotune)
     assert "would take about 53 s" in _budget_reason(gpu, autotune)
+    short = state("cuda")
+    short.options.time_budget_s = 90.0  # 17 s left once the report's share is kept
+    assert not _fits_budget(short, kernel)
     assert _fits_budget(state("cpu"), autotune)
     first = state("cuda")
     first.iterations = []
