@@ -74,10 +74,10 @@ def run_task(path: Path, sms: int) -> dict:
         if lt_plan is not None:
             candidates["cublaslt_epilogue"] = ({}, epilogue.generate(source, analysis, lt_plan, {}))
         configs = matmul.tuning_space(plan, "sm_90")
-        configs += [
-            dict(zip(matmul.PARAMS, (bm, bn, bk, 8, w, st), strict=True))
-            for bm, bn, bk, w, st in EXTRA[matmul._kind(plan)]
-        ]
+        for bm, bn, bk, w, st in EXTRA[matmul._kind(plan)]:
+            extra = dict(zip(matmul.PARAMS, (bm, bn, bk, 8, w, st), strict=True))
+            if extra not in configs:  # the tuning space took some of them in, in measured order
+                configs.append(extra)
         for i, params in enumerate(configs):
             candidates[f"matmul_epilogue/{i}"] = (params, matmul.generate(source, analysis, plan, params))
         for name, (params, text) in candidates.items():
