@@ -360,6 +360,30 @@ def test_no_step_starts_that_would_end_past_the_time_budget():
     assert _fits_budget(first, autotune)  # no step ended yet: nothing to go by
 
 
+def test_the_playbook_takes_the_first_step_that_fits(monkeypatch):
+    """A max-autotune step first in the menu that would end past the budget is passed over for
+    the kernel step after it; with nothing that fits, the first step comes back (plan() then
+    stops the run with the budget's reason)."""
+    from kernelcrew.agents import planner
+    from kernelcrew.agents.state import CrewState, Options, PlanStep
+
+    autotune = PlanStep(strategy="torch_compile_max_autotune", rationale="r", expected_gain=1.5)
+    kernel = PlanStep(strategy="row_reduction", rationale="r", expected_gain=2.0, params={"num_warps": 4})
+    monkeypatch.setattr(planner, "_menu", lambda state: [autotune, kernel])
+    state = CrewState(
+        task_source="",
+        options=Options(device="cuda", time_budget_s=120.0),
+        baseline={"phase_s": {"golden": 14.0, "benchmark": 10.0}},
+        iterations=[{"step": 1, "elapsed_s": 55.0}],
+        started_at=time.time() - 56.0,
+    )
+    prefs = {"only_kernels": False, "try": [], "skip": set(), "more": 0, "stop": False}
+    assert planner._plan_with_playbook(state, prefs) == kernel
+    state.options.time_budget_s = 90.0
+    assert planner._plan_with_playbook(state, prefs) == autotune
+    assert not planner._fits_budget(state, autotune)
+
+
 def test_a_past_win_earns_its_strategy_the_first_step_not_every_step():
     """One fp16 linear layer with ReLU, where an earlier run recorded a Triton matmul win (without
     trying cuBLASLt): that configuration goes first, then each other strategy's first try, then
