@@ -32,8 +32,6 @@ from typing import Any
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
 from kernelcrew.agents.playbook.pointwise import (
     CONTAINER_SOURCE,
-    HELPER_ORDER,
-    HELPERS,
     Operand,
     PointwisePlan,
     Unsupported,
@@ -345,15 +343,8 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params:
     p = _check_params(params)
     ep = plan.epilogue
     emitter = _Emitter(ep)
-    for step in ep.steps:
-        emitter.step(step)
-    result = emitter.ref(ep.result)
-    if ep.out_dtype == "bfloat16":  # round as the GPU does, under the interpreter too
-        emitter.helpers.add("_round_bf16")
-        result = f"_round_bf16({result})"
-    if "_softplus" in emitter.helpers:
-        emitter.helpers.add("_log1p")
-    helpers = "".join(HELPERS[h] for h in HELPER_ORDER if h in emitter.helpers)
+    result = emitter.expression()
+    helpers = emitter.helper_source()
     loaded = plan.loaded
     n_layers = len(plan.layers)
     precision = ', input_precision="tf32x3"' if plan.dtype == "float32" else ""

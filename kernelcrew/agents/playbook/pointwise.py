@@ -583,6 +583,23 @@ class _Emitter:
         self.helpers: set[str] = set()
         self.lines: list[str] = []
 
+    def expression(self) -> str:
+        """Emit every step of the plan; the result's expression, rounded as the output dtype is
+        stored (bfloat16 under the interpreter too)."""
+        for step in self.plan.steps:
+            self.step(step)
+        result = self.ref(self.plan.result)
+        if self.plan.out_dtype == "bfloat16":  # round as the GPU does, under the interpreter too
+            self.helpers.add("_round_bf16")
+            result = f"_round_bf16({result})"
+        return result
+
+    def helper_source(self) -> str:
+        """The source of the helpers the emitted lines call, in dependency order."""
+        if "_softplus" in self.helpers:
+            self.helpers.add("_log1p")
+        return "".join(HELPERS[h] for h in HELPER_ORDER if h in self.helpers)
+
     def ref(self, value: tuple[str, Any]) -> str:
         kind, x = value
         if kind == "in":
@@ -805,15 +822,8 @@ def generate_pointwise(
     """A complete candidate source (``ModelNew`` + one ``fused_pointwise_kernel``) for ``plan``."""
     p = _check_params(params)
     emitter = _Emitter(plan)
-    for step in plan.steps:
-        emitter.step(step)
-    result = emitter.ref(plan.result)
-    if plan.out_dtype == "bfloat16":  # round as the GPU does, under the interpreter too
-        emitter.helpers.add("_round_bf16")
-        result = f"_round_bf16({result})"
-    if "_softplus" in emitter.helpers:
-        emitter.helpers.add("_log1p")
-    helpers = "".join(HELPERS[h] for h in HELPER_ORDER if h in emitter.helpers)
+    result = emitter.expression()
+    helpers = emitter.helper_source()
     n = len(plan.operands)
     compute = emitter.compute
 

@@ -66,8 +66,6 @@ from kernelcrew.agents.playbook.analysis import TaskAnalysis
 from kernelcrew.agents.playbook.pointwise import (
     CONTAINER_SOURCE,
     FLOAT_DTYPES,
-    HELPER_ORDER,
-    HELPERS,
     INT_DTYPES,
     SUPPORTED_OPS,
     TRITON_DTYPES,
@@ -1470,10 +1468,7 @@ def generate_rowwise(analysis: TaskAnalysis, plan: RowPlan, params: dict[str, An
     p = _check_params(params)
     writer = _KernelWriter(plan)
     body = writer.body()
-    emitter = writer.emitter
-    if "_softplus" in emitter.helpers:
-        emitter.helpers.add("_log1p")
-    helpers = "".join(HELPERS[h] for h in HELPER_ORDER if h in emitter.helpers)
+    helpers = writer.emitter.helper_source()
     kernel_body = "\n".join(f"    {line}" if line else "" for line in body)
     n = len(plan.operands)
     has_aux = plan.loss_reduction is not None
