@@ -32,3 +32,11 @@ def fixture_meta(path: Path) -> tuple[str, str]:
     expect = re.search(r"^EXPECT: (\w+)$", text, re.M)
     assert task and expect, f"{path.name} lacks TASK/EXPECT lines"
     return task.group(1), expect.group(1)
+
+
+def local_analysis(source: str, path: str = "task.py"):
+    """The analysis computed in this process (trusted test sources only: no sandbox, fast)."""
+    from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child
+
+    value = analyze_child({"task_source": source, "task_path": path, "seed": 0}, Path("."))
+    return TaskAnalysis(value, task_source=source, task_path=path)

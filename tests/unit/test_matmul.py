@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from kernelcrew.agents import playbook
 from kernelcrew.agents.playbook import applicable, generate
-from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child
 from kernelcrew.agents.playbook.matmul import COL, FULL, ROW, SCALAR, match, operand_mode, tuning_space
 from kernelcrew.config import Settings
 from kernelcrew.tools.anticheat import static_check
 from kernelcrew.tools.correctness import verify
+from tests.conftest import local_analysis
 
 SETTINGS = Settings(sandbox_timeout_s=240)
-
-
-def local_analysis(source: str) -> TaskAnalysis:
-    """The analysis computed in this process (trusted test sources only: no sandbox, fast)."""
-    value = analyze_child({"task_source": source, "task_path": "task.py", "seed": 0}, Path("."))
-    return TaskAnalysis(value, task_source=source, task_path="task.py")
 
 
 def task(init: str, forward: str, inputs: str, tests: str, args: str = "x", init_args: str = "") -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from kernelcrew.agents import playbook
 from kernelcrew.agents.playbook import STRATEGIES, applicable, generate
-from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze, analyze_child
+from kernelcrew.agents.playbook.analysis import analyze
 from kernelcrew.agents.playbook.compiler import generate_compiled, reference_source
 from kernelcrew.agents.playbook.pointwise import (
     explain_pointwise,
@@ -23,7 +23,7 @@ from kernelcrew.config import Settings
 from kernelcrew.task import TaskError, import_source, load_task
 from kernelcrew.tools.anticheat import static_check
 from kernelcrew.tools.correctness import verify
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, local_analysis
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = {
@@ -90,12 +90,6 @@ def get_test_inputs():
         [torch.randn(1, 24), torch.randn(1, 1), torch.randn(24).half()],
     ]
 """
-
-
-def local_analysis(source: str, path: str = "task.py") -> TaskAnalysis:
-    """The analysis computed in this process (trusted test sources only: no sandbox, fast)."""
-    value = analyze_child({"task_source": source, "task_path": path, "seed": 0}, Path("."))
-    return TaskAnalysis(value, task_source=source, task_path=path)
 
 
 @pytest.fixture(scope="module")

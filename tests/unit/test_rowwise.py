@@ -14,7 +14,6 @@ import pytest
 
 from kernelcrew.agents import playbook
 from kernelcrew.agents.playbook import STRATEGIES, applicable
-from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child
 from kernelcrew.agents.playbook.rowwise import (
     DEFAULT_PARAMS,
     generate_rowwise,
@@ -27,7 +26,7 @@ from kernelcrew.knowledge_base import order_configs
 from kernelcrew.task import import_source, load_task
 from kernelcrew.tools.anticheat import static_check
 from kernelcrew.tools.correctness import verify
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, local_analysis
 
 ROWS = FIXTURES / "tasks" / "rows"
 SETTINGS = Settings(sandbox_timeout_s=240)
@@ -45,12 +44,6 @@ VERIFIED = {
     "cross_entropy": SMALL,  # mean over rows, ignore_index, 70 classes in chunks
     "groupnorm_silu": SMALL,  # groups of 18, 54 and 14 elements; ranks 4 and 3; channels-last
 }
-
-
-def local_analysis(source: str, path: str = "task.py") -> TaskAnalysis:
-    """The analysis computed in this process (trusted test sources only: no sandbox, fast)."""
-    value = analyze_child({"task_source": source, "task_path": path, "seed": 0}, Path("."))
-    return TaskAnalysis(value, task_source=source, task_path=path)
 
 
 def task_source(forward: str, inputs: str, init: str = "pass", args: str = "x") -> str:
