@@ -231,7 +231,8 @@ def expected_seconds(state: CrewState, step: PlanStep) -> float:
 
 
 #: The final report times the best against eager and torch.compile again, as the baseline's
-#: timing phase did; on the H100 suite it took 0.9-1.7x as long as that phase.
+#: timing phase did; in the H100 suite's 20 runs it took 0.76-1.67x as long as that phase
+#: (bench/results/suite_h100.json's wall_s less each report's elapsed_s).
 FINALIZE_COST = 1.7
 
 
