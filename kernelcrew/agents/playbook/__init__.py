@@ -113,7 +113,8 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.compiler",
             options=(("mode", "max-autotune-no-cudagraphs"),),
             # its autotuning runs inside the step: in the H100 suite's runs its steps took 0.7-1.7x
-            # as long as the same run's default-mode step (bench/results/suite_h100_runs)
+            # as long as the same run's default-mode step (bench/results/suite_h100_runs as
+            # committed at ab693ec: the four runs that took both steps)
             cost=1.7,
         ),
     )
