@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kernelcrew.benchmark import geomean, row_from_report, suite_tasks
+from kernelcrew.benchmark import geomean, markdown, roofline_peaks, row_from_report, suite_tasks
 from kernelcrew.cli import app
 from tests.conftest import FIXTURES
 
@@ -62,6 +63,34 @@ def test_unknown_task_names_and_empty_suites_are_clear_errors(tmp_path):
     res = runner.invoke(app, ["bench", str(tmp_path), "--device", "cpu", "--tasks", "b"])
     assert res.exit_code == 2 and "unknown task(s) b" in res.output
     assert [p.name for p in suite_tasks(tmp_path)] == ["a.py"]
+
+
+def test_a_gpu_suite_is_measured_against_this_gpus_calibrated_bandwidth(tmp_path, monkeypatch):
+    """The SOL column's floor uses the copy bandwidth measured on the GPU (the issue's "measured
+    bandwidth"), calibrated once per model and reused by later shards; the table names both."""
+    from rich.console import Console
+
+    from kernelcrew.config import Settings
+    from kernelcrew.tools import roofline
+
+    s = Settings(data_dir=tmp_path)
+    hw = {"device": "cuda", "model": "h100-sxm", "arch": "sm_90", "name": "NVIDIA H100 80GB HBM3"}
+    calls = []
+
+    def calibrate(hardware, *, quick=False, settings=None):  # what the GPU child would store
+        calls.append(hardware["model"])
+        path = roofline.calibration_path(hardware["model"], settings)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"model": "h100-sxm", "measured": {"dram_gbs": 2956.3, "compute": {}}}))
+
+    monkeypatch.setattr(roofline, "calibrate", calibrate)
+    quiet = Console(file=io.StringIO())
+    peaks = roofline_peaks(hw, quiet, s)
+    assert calls == ["h100-sxm"] and peaks["dram_gbs"] == 2956.3 and peaks["datasheet_dram_gbs"] == 3350
+    assert peaks["basis"].startswith("calibrated")
+    assert roofline_peaks(hw, quiet, s) == peaks and calls == ["h100-sxm"]  # stored: not measured again
+    table = markdown({"suite": "s", "rows": [], "summary": {}, "peaks": peaks, "versions": {}})
+    assert "at 2956 GB/s of DRAM bandwidth" in table and "datasheet 3350 GB/s" in table
 
 
 def test_rows_and_geomean():
