@@ -24,6 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kernelcrew.config import Settings
 from kernelcrew.task import TaskError
 
 
@@ -70,7 +71,7 @@ def row_from_report(task: str, report: dict[str, Any] | None, wall_s: float) -> 
     }
 
 
-def roofline_peaks(hw: dict[str, Any], out: Console, settings: Any = None) -> dict[str, Any]:
+def roofline_peaks(hw: dict[str, Any], out: Console, settings: Settings | None = None) -> dict[str, Any]:
     """The roofs the suite's SOL column is measured against: this GPU's, calibrated once per model.
 
     The DRAM floor is taken at the bandwidth a device copy reaches here, not the datasheet's: the
@@ -87,7 +88,7 @@ def roofline_peaks(hw: dict[str, Any], out: Console, settings: Any = None) -> di
         "basis": peaks.basis,
         "dram_gbs": peaks.dram_gbs,
         "datasheet_dram_gbs": peaks.datasheet_dram_gbs,
-        "sources": {k: v for k, v in peaks.sources.items() if k == "dram_gbs"},
+        "sources": {"dram_gbs": peaks.sources.get("dram_gbs")},
     }
 
 
