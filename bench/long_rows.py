@@ -8,6 +8,11 @@ candidate as generated and with one lever undone:
 
 - ``no_hint``: without the L2 eviction hint (``evict_last``) on the loads of a pass whose row a
   later pass reads again;
+- ``no_evict_first``: without the hint (``evict_first``) on the loads of the pass that writes;
+- ``forward``: every pass walks its columns forward (as generated, each pass after the first starts
+  on the chunks the pass before read last);
+- ``as_before``: the last two together (the kernel before they were levers);
+- for split rows, ``split_back``: the output launch with those two levers too (as generated: not);
 - for plans whose rows split over programs: ``per_row`` (never split), ``split_16_per_sm``.
 
 Every variant is checked against a float64 reference on inputs the timing never saw; eager and
@@ -48,11 +53,33 @@ LONG_SINGLE = [
 TIMING = TimingConfig(min_reps=60, max_reps=300, max_time_s=60.0)
 
 
+def split_back(candidate: str) -> str:
+    """The split rows' output launch with the one-program passes' levers: each part walked from its
+    last chunk, its loads hinted ``evict_first`` (the generated launch walks forward, unhinted)."""
+    head, sep, loop = candidate.rpartition("for start in range(lo, hi, BLOCK_N):")
+    indent = head[head.rindex("\n") + 1 :]
+    back = f"last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N\n{indent}for k in range(lo, hi, BLOCK_N):\n"
+    body, rest = loop.split("\n\n\n", 1)  # the loop ends the kernel
+    body = f"{indent}    start = last - (k - lo)" + body.replace(
+        "mask=mask, other=0)", 'mask=mask, other=0, eviction_policy="evict_first")'
+    )
+    return head + back + body + "\n\n\n" + rest
+
+
 def variants(candidate: str, plan, sms: int) -> dict[str, str]:
     out = {"as_generated": candidate}
-    stripped = candidate.replace(', eviction_policy="evict_last"', "")
-    if stripped != candidate:
-        out["no_hint"] = stripped
+    levers = {  # each undoes one lever of the generated kernel where it applies
+        "no_hint": (', eviction_policy="evict_last"', ""),
+        "no_evict_first": (', eviction_policy="evict_first"', ""),
+        "forward": ("start = last - k", "start = k"),
+    }
+    for name, (old, new) in levers.items():
+        if old in candidate:
+            out[name] = candidate.replace(old, new)
+    if "forward" in out:  # both levers of the one-program passes undone: the kernel before them
+        out["as_before"] = out["forward"].replace(*levers["no_evict_first"])
+    if splittable(plan):
+        out["split_back"] = split_back(candidate)
     if splittable(plan):
         out["per_row"] = candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 0")
         out["split_16_per_sm"] = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {16 * sms}")
