@@ -24,7 +24,7 @@ sum together, online; LayerNorm's mean and variance together, by Chan's merge of
 a hand-written ``x - x.mean()`` then ``.pow(2).mean()`` takes two), then one pass that writes.
 Each pass walks the other way from the one before, so it starts on the chunks still in L2; the
 passes before the last load with ``evict_last``, the last with ``evict_first``. On the H100 the two
-took ``log_softmax`` over 32000 columns from 0.2193 to 0.2018 ms (``bench/results/long_rows.md``).
+took ``log_softmax`` over 32000 columns from 0.2191 to 0.2020 ms (``bench/results/long_rows_walk.md``).
 Accumulation is fp32 (fp64 when the module computes in float64), the output is stored once in the
 reference's dtype. Only core ``tl.*`` math is used, so the kernels run under ``TRITON_INTERPRET=1``.
 
@@ -53,6 +53,8 @@ when 8 or 32 parts per row were 2.7x and 9x slower than unsplit. Since the outpu
 row's statistics as scalars (``bench/results/split_rows_ncu/`` says why it mattered) and GroupNorm's
 per-channel operands load two values per block, ``bench/results/long_rows.md`` measures GroupNorm's
 256 rows of 262144 elements at 0.154 ms in 2 parts (the default), 0.152 ms in 8, 0.161 ms unsplit.
+The output launch walks each part forward, unhinted: walked back with ``evict_first``, as one-program
+rows are, GroupNorm's best configuration ran 0.1602 ms against 0.1539 (``long_rows_walk.md``).
 
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
 per element and per row (a scalar weight used on both sides of a reduction) is refused.
