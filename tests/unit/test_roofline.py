@@ -67,6 +67,7 @@ def test_calibration_is_preferred_over_the_datasheet(tmp_path):
     assert peaks.dram_gbs == 2950.0 and peaks.l2_gbs == 9000.0 and peaks.compute["fp16"] == 730.0
     assert peaks.datasheet_dram_gbs == 3350
     assert "calibrated" in peaks.sources["dram_gbs"] and "datasheet" in peaks.sources["fp8"]
+    assert peaks.basis == "calibrated"  # over this model's own datasheet: nothing more to say
     path.write_text("{not json")  # a corrupt file is ignored, not fatal
     assert roofline.peaks_for(H100, s).basis == "datasheet"
 
