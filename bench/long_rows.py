@@ -56,7 +56,7 @@ TIMING = TimingConfig(min_reps=60, max_reps=300, max_time_s=60.0)
 def split_back(candidate: str) -> str:
     """The split rows' output launch with the one-program passes' levers: each part walked from its
     last chunk, its loads hinted ``evict_first`` (the generated launch walks forward, unhinted)."""
-    head, sep, loop = candidate.rpartition("for start in range(lo, hi, BLOCK_N):")
+    head, _, loop = candidate.rpartition("for start in range(lo, hi, BLOCK_N):")
     indent = head[head.rindex("\n") + 1 :]
     back = f"last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N\n{indent}for k in range(lo, hi, BLOCK_N):\n"
     body, rest = loop.split("\n\n\n", 1)  # the loop ends the kernel
@@ -80,7 +80,6 @@ def variants(candidate: str, plan, sms: int) -> dict[str, str]:
         out["as_before"] = out["forward"].replace(*levers["no_evict_first"])
     if splittable(plan):
         out["split_back"] = split_back(candidate)
-    if splittable(plan):
         out["per_row"] = candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 0")
         out["split_16_per_sm"] = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {16 * sms}")
     return out

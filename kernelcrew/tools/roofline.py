@@ -180,7 +180,9 @@ def peaks_for(hardware: dict[str, Any], settings: Settings | None = None) -> Pea
                 peaks.sources[klass] = tag
         # the datasheet's basis only where it was not this model's own ("calibrated (datasheet:
         # datasheet)" read as a typo in every bench table)
-        peaks.basis = "calibrated" + ("" if sheet is None or basis == "datasheet" else f" (datasheet: {basis})")
+        peaks.basis = "calibrated" + (
+            "" if sheet is None or basis == "datasheet" else f" (datasheet: {basis})"
+        )
     return peaks
 
 

@@ -33,7 +33,7 @@ SETTINGS = Settings(sandbox_timeout_s=240)
 #: Blocks small enough that the test shapes take both paths: rows of up to 32 columns stay in
 #: registers, longer ones run the multi-pass loop in 16-column chunks.
 SMALL = {"MAX_SINGLE": 32, "CHUNK": 16, "TILE": 1024, "num_warps": 1}
-#: SMALL chunks, one row per program: the multi-pass loops read the row's statistics as scalars.
+#: SMALL chunks, one row per program (the multi-pass loops' tensors are [1, ...]).
 ONE_ROW = {**SMALL, "TILE": 16}
 #: Fixture task -> the parameters its candidate is verified with.
 VERIFIED = {
@@ -411,6 +411,24 @@ def test_which_plans_split_their_rows():
         assert name in PATTERNS and name not in SPLITTABLE
 
 
+def test_multi_pass_walks_each_pass_the_other_way():
+    """Each pass starts on the chunks the pass before read last (still in L2); the passes before
+    the last hint evict_last, the last evict_first (log_softmax on the H100: long_rows_walk.md)."""
+    import re
+
+    forward, inputs, init, args, _sets = PATTERNS["manual_layer_norm"]  # two levels, then the output
+    a, plan = plan_of(task_source(forward, inputs, init, args))
+    assert plan.levels == 2
+    source = generate_rowwise(a, plan, SMALL)
+    one_row = source[source.index("else:  # rows longer than one block") :]  # not splittable: no PHASE
+    headers = re.findall(r"^ *(for start in range\(0, n_cols|for k in range\(0, n_cols)", one_row, flags=re.M)
+    assert [h.split()[1] for h in headers] == ["start", "k", "start"]
+    assert one_row.count("start = last - k") == 1
+    loops = re.split(r"^ *# pass \d", one_row, flags=re.M)[1:]
+    assert "evict_last" in loops[0] and "evict_last" in loops[1] and "evict_first" not in loops[0] + loops[1]
+    assert "evict_first" in loops[2] and "evict_last" not in loops[2]
+
+
 @pytest.mark.parametrize("name", SPLITTABLE)
 def test_split_output_pass_uses_the_rows_statistics_as_scalars(name):
     """As [1, 1] tensors in the workspace loads' layout, the merged statistics were broadcast and
@@ -773,7 +791,7 @@ def sm90_builds(tmp_path_factory):
     for name in SPLIT_COMPILED:  # the same candidates with their rows split over programs
         source, candidate = jobs[name]
         jobs[f"{name}_split"] = (source, candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
-        a, plan = plan_of(source)  # and with one row per program (statistics as scalars)
+        a, plan = plan_of(source)  # and with one row per program
         jobs[f"{name}_one_row"] = (source, generate_rowwise(a, plan, {**ONE_ROW, "num_warps": 4}))
     workdir = str(tmp_path_factory.mktemp("sm90"))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -794,11 +812,13 @@ def test_kernels_compile_for_sm90(name, sm90_builds):
 
 @pytest.mark.parametrize("name", SPLIT_COMPILED)
 def test_one_row_programs_compile_for_sm90(name, sm90_builds):
-    """One row per program: the passes that read its statistics take them as scalars."""
+    """One row per program, each pass walking the other way from the one before, builds too."""
     compiled = sm90_builds[f"{name}_one_row"]
     assert isinstance(compiled, list), compiled
     assert {"ROWS": 1, "SINGLE_PASS": False} in [
-        {k: c.get(k) for k in ("ROWS", "SINGLE_PASS")} for c in compiled if c["kernel"] == "row_reduction_kernel"
+        {k: c.get(k) for k in ("ROWS", "SINGLE_PASS")}
+        for c in compiled
+        if c["kernel"] == "row_reduction_kernel"
     ]
 
 
