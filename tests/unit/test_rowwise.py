@@ -33,8 +33,6 @@ SETTINGS = Settings(sandbox_timeout_s=240)
 #: Blocks small enough that the test shapes take both paths: rows of up to 32 columns stay in
 #: registers, longer ones run the multi-pass loop in 16-column chunks.
 SMALL = {"MAX_SINGLE": 32, "CHUNK": 16, "TILE": 1024, "num_warps": 1}
-#: SMALL chunks, one row per program (the multi-pass loops' tensors are [1, ...]).
-ONE_ROW = {**SMALL, "TILE": 16}
 #: Fixture task -> the parameters its candidate is verified with.
 VERIFIED = {
     "attention_softmax": SMALL,  # 12 and 7 columns in registers, 45 in chunks; -inf mask
@@ -321,8 +319,7 @@ PATTERNS = {
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_pattern_kernel_on_both_paths(name, interpreter):
-    """Default blocks (every row in registers), SMALL ones (rows over 32 columns in chunks) and
-    ONE_ROW (chunks, one row per program)."""
+    """Default blocks (every row in registers) and SMALL ones (rows over 32 columns in chunks)."""
     import torch
 
     forward, inputs, init, args, sets = PATTERNS[name]
@@ -331,7 +328,6 @@ def test_pattern_kernel_on_both_paths(name, interpreter):
     input_sets = sets(torch)
     candidate = check_candidate(interpreter, source, input_sets)
     check_candidate(interpreter, source, input_sets, params=SMALL)
-    check_candidate(interpreter, source, input_sets, params=ONE_ROW)
     kernel = candidate.split("class ModelNew")[0]
     for library in ("softmax", "layer_norm", "rms_norm", "normalize", "cross_entropy", "logsumexp", "F."):
         assert f"torch.{library}" not in kernel and f"F.{library}" not in kernel
@@ -791,8 +787,6 @@ def sm90_builds(tmp_path_factory):
     for name in SPLIT_COMPILED:  # the same candidates with their rows split over programs
         source, candidate = jobs[name]
         jobs[f"{name}_split"] = (source, candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
-        a, plan = plan_of(source)  # and with one row per program
-        jobs[f"{name}_one_row"] = (source, generate_rowwise(a, plan, {**ONE_ROW, "num_warps": 4}))
     workdir = str(tmp_path_factory.mktemp("sm90"))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(compile_for_sm90, jobs, workdir).result()
@@ -808,18 +802,6 @@ def test_kernels_compile_for_sm90(name, sm90_builds):
     assert ("row_reduction_kernel", True) in kinds or name == "rmsnorm"  # 40 > 32 columns: chunks only
     if name == "cross_entropy":
         assert ("loss_reduce_kernel", None) in kinds
-
-
-@pytest.mark.parametrize("name", SPLIT_COMPILED)
-def test_one_row_programs_compile_for_sm90(name, sm90_builds):
-    """One row per program, each pass walking the other way from the one before, builds too."""
-    compiled = sm90_builds[f"{name}_one_row"]
-    assert isinstance(compiled, list), compiled
-    assert {"ROWS": 1, "SINGLE_PASS": False} in [
-        {k: c.get(k) for k in ("ROWS", "SINGLE_PASS")}
-        for c in compiled
-        if c["kernel"] == "row_reduction_kernel"
-    ]
 
 
 @pytest.mark.parametrize("name", SPLIT_COMPILED)
