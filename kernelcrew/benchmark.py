@@ -76,8 +76,8 @@ def roofline_peaks(hw: dict[str, Any], out: Console, settings: Settings | None =
 
     The DRAM floor is taken at the bandwidth a device copy reaches here, not the datasheet's: the
     datasheet figure is one no kernel reaches (an H100's copy measured 86-89 % of it in the calls of
-    bench/results/suite_h100.json). A
-    calibration already stored for this GPU model is reused, so later shards share it.
+    bench/results/suite_h100.json). A calibration already stored for this GPU model is reused, so
+    later shards share it.
     """
     from kernelcrew.tools import roofline
 
