@@ -592,7 +592,12 @@ def _bad_files() -> list[tuple[str, str]]:
     ]
 
 
-@pytest.mark.parametrize(("raw", "message"), _bad_files())
+BAD_FILE_IDS = ["unknown-field", "string-number", "huge-source", "seed-source", "slower", "cpu-wall-on-gpu"]
+BAD_FILE_IDS += ["format", "extra-top-field", "invalid-json"]
+
+
+# explicit ids: the files hold random ids, and parallel workers must collect the same test names
+@pytest.mark.parametrize(("raw", "message"), _bad_files(), ids=BAD_FILE_IDS)
 def test_a_bad_import_file_changes_nothing(kb, raw, message):
     kb.record_win(win(), verdict=PASS)
     before = kb.export()["records"]
