@@ -33,6 +33,8 @@ SETTINGS = Settings(sandbox_timeout_s=240)
 #: Blocks small enough that the test shapes take both paths: rows of up to 32 columns stay in
 #: registers, longer ones run the multi-pass loop in 16-column chunks.
 SMALL = {"MAX_SINGLE": 32, "CHUNK": 16, "TILE": 1024, "num_warps": 1}
+#: SMALL with long rows split in parts of 16 columns kept in registers by waiting programs.
+SMALL_WAIT = {**SMALL, "WAIT_PART": 16}
 #: Fixture task -> the parameters its candidate is verified with.
 VERIFIED = {
     "attention_softmax": SMALL,  # 12 and 7 columns in registers, 45 in chunks; -inf mask
@@ -457,6 +459,39 @@ def test_rows_split_over_programs(name, interpreter):
     )
 
 
+@pytest.mark.parametrize("name", SPLITTABLE)
+def test_rows_split_over_programs_that_wait_for_each_other(name, interpreter):
+    """One launch: each program keeps its part in registers and waits for the row's statistics. The
+    interpreter runs programs one at a time, so every part but a row's last reduces the row itself."""
+    import torch
+
+    forward, inputs, init, args, sets = PATTERNS[name]
+    torch.manual_seed(2)
+    source = task_source(forward, inputs, init, args)
+    candidate = check_candidate(interpreter, source, sets(torch), SMALL_WAIT, split_target=64)
+    assert "PHASE=3" in candidate
+
+
+def test_waiting_parts_read_the_row_once():
+    """The waiting pass loads its part once (again only where it stopped waiting), posts its states
+    before it polls, polls a bounded number of times, and writes from the registers it loaded."""
+    import re
+
+    forward, inputs, init, args, _sets = PATTERNS["group_norm_embedding_residual"]
+    a, plan = plan_of(task_source(forward, inputs, init, args))
+    source = generate_rowwise(a, plan, SMALL_WAIT)
+    start = re.search(r"^( *)elif PHASE == 3:.*$", source, flags=re.M)
+    body = source[start.end() :].split(f"\n{start.group(1)}else:", 1)[0]
+    waiting, rest = body.split("while (seen < SPLITS) & (polls < spin):", 1)
+    fallback, output = rest.split("parts = tl.arange(0, SPLITS)", 1)
+    assert waiting.index("tl.store(ws_ptr") < waiting.index("tl.atomic_add(posted_ptr")
+    x_loads = r"v0 = tl\.load\(in0_ptr \+ off0\[:, None\] \+ cols"
+    assert len(re.findall(x_loads, waiting)) == 1
+    assert "if seen < SPLITS:" in fallback and "for part in range(0, SPLITS):" in fallback
+    assert not re.search(x_loads, output), "the output is computed from the registers loaded before"
+    assert "tl.store(out_ptr" in output
+
+
 def test_split_rows_with_empty_and_fully_masked_parts(interpreter):
     """65 columns in 16-column chunks over 4 parts leave the last part empty; a masked half leaves
     whole parts at -inf (their softmax sums must not turn into NaN when merged)."""
@@ -470,9 +505,10 @@ def test_split_rows_with_empty_and_fully_masked_parts(interpreter):
     softmax = task_source(
         "return x.masked_fill(mask == 0, float('-inf')).softmax(-1)", "x, mask", args="x, mask"
     ).replace("return [x, mask]", "return [torch.randn(3, 65), torch.ones(3, 65, dtype=torch.long)]")
-    check_candidate(interpreter, softmax, [[x, mask]], SMALL, split_target=64)
     norm = task_source("return F.layer_norm(x, (65,)) * x.amax(-1, keepdim=True)", "torch.randn(3, 65)")
-    check_candidate(interpreter, norm, [[x], [x[:2] * 100 + 5]], SMALL, split_target=64)
+    for params in (SMALL, SMALL_WAIT):  # two launches; one (65 columns in 8 parts of 16: 3 empty)
+        check_candidate(interpreter, softmax, [[x, mask]], params, split_target=64)
+        check_candidate(interpreter, norm, [[x], [x[:2] * 100 + 5]], params, split_target=64)
 
 
 def test_how_many_programs_share_a_row(tmp_path):
@@ -632,6 +668,9 @@ def test_generate_rejects_bad_params():
         generate_rowwise(a, plan, {"BLOCK_SIZE": 64})
     with pytest.raises(ValueError, match="SPLIT_PER_SM"):
         generate_rowwise(a, plan, {"SPLIT_PER_SM": -1})
+    for part in (8, 3000, 32768, True):
+        with pytest.raises(ValueError, match="WAIT_PART"):
+            generate_rowwise(a, plan, {"WAIT_PART": part})
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90", "sm_90a", "sm_100", "cuda", "cpu"])
@@ -661,11 +700,15 @@ def test_long_rows_try_the_biggest_chunks_first():
         space = tuning_space(plan, "sm_90")
         assert space[0]["CHUNK"] == 8192 and space[-1] == {**space[0], "SPLIT_PER_SM": 0}
         assert [c["CHUNK"] for c in space[:-1]] == sorted((c["CHUNK"] for c in space[:-1]), reverse=True)
+        # few long rows: the second tries them in one launch of waiting parts
+        assert space[1] == {**space[0], "WAIT_PART": 4096}
 
     def configs(plan):  # the same configurations, in another order
-        return {tuple(sorted(c.items())) for c in tuning_space(plan, "sm_90") if "SPLIT_PER_SM" not in c}
+        plain = {"MAX_SINGLE", "CHUNK", "TILE", "num_warps"}
+        return {tuple(sorted(c.items())) for c in tuning_space(plan, "sm_90") if set(c) == plain}
 
     assert configs(long) == configs(short)
+    assert not any("WAIT_PART" in c for c in tuning_space(short, "sm_90"))  # rows that fit: no parts
     # the knowledge base's seed advice and a win on another (short-row) task do not push it back
     seed = {"source": "seed", "strategy": "row_reduction", "params": {"num_warps": [4, 8, 16]}}
     won = {"source": "verified", "strategy": "row_reduction", "params": tuning_space(short, "sm_90")[0]}
@@ -688,7 +731,14 @@ def test_menu_offers_row_reduction_first():
 # The real Triton compiler: the interpreter accepts code that does not compile for a GPU
 # ----------------------------------------------------------------------------------------------
 
-POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int64": "*i64", "bool": "*i1"}
+POINTER_TYPES = {
+    "float32": "*fp32",
+    "float16": "*fp16",
+    "bfloat16": "*bf16",
+    "int64": "*i64",
+    "int32": "*i32",
+    "bool": "*i1",
+}
 #: Fixture tasks whose kernels are compiled: strided rows on both paths, the loss kernels, bf16
 #: rounding, grouped rows.
 COMPILED = ("attention_softmax", "cross_entropy", "rmsnorm", "groupnorm_silu")
@@ -787,6 +837,9 @@ def sm90_builds(tmp_path_factory):
     for name in SPLIT_COMPILED:  # the same candidates with their rows split over programs
         source, candidate = jobs[name]
         jobs[f"{name}_split"] = (source, candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
+        a, plan = plan_of(source)
+        waiting = generate_rowwise(a, plan, {**SMALL_WAIT, "num_warps": 4})
+        jobs[f"{name}_wait"] = (source, waiting.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
     workdir = str(tmp_path_factory.mktemp("sm90"))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(compile_for_sm90, jobs, workdir).result()
@@ -811,6 +864,15 @@ def test_split_row_kernels_compile_for_sm90(name, sm90_builds):
     assert isinstance(compiled, list), compiled
     phases = {c["PHASE"] for c in compiled if c["kernel"] == "row_reduction_kernel" and c["SPLITS"] > 1}
     assert phases == {1, 2}
+
+
+@pytest.mark.parametrize("name", SPLIT_COMPILED)
+def test_waiting_row_kernels_compile_for_sm90(name, sm90_builds):
+    """The one launch of waiting parts (atomics, a bounded poll, the fallback loop) builds."""
+    compiled = sm90_builds[f"{name}_wait"]
+    assert isinstance(compiled, list), compiled
+    phases = {c["PHASE"] for c in compiled if c["kernel"] == "row_reduction_kernel" and c["SPLITS"] > 1}
+    assert phases == {3}
 
 
 # ----------------------------------------------------------------------------------------------

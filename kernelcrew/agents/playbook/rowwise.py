@@ -56,6 +56,16 @@ per-channel operands load two values per block, ``bench/results/long_rows.md`` m
 The output launch walks each part forward, unhinted: walked back with ``evict_first``, as one-program
 rows are, GroupNorm's best configuration ran 0.1602 ms against 0.1539 (``long_rows_walk.md``).
 
+Those two launches read each element twice, which caps them near two thirds of the DRAM floor. A
+third way reads it once (``WAIT_PART``; the tuning space tries it second when the example has few
+long rows): one launch, a row in up to ``MAX_SPLITS`` parts of at most ``WAIT_PART`` columns, each
+kept in registers by its program, which stores its partial states, counts itself in a per-row
+counter and polls it until the row's other parts have. A row's programs are neighbours, which a GPU
+starts together, in order; a program that has polled ``SPIN_POLLS`` times reduces every part itself
+(the same states in the same order: the same bits), so no schedule deadlocks, and the CPU
+interpreter, which runs one program at a time, takes that path. The generator's version of it has
+not been timed on a GPU yet (``bench/long_rows.py`` times it as one of GroupNorm's configurations).
+
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
 per element and per row (a scalar weight used on both sides of a reduction) is refused.
 """
@@ -90,7 +100,14 @@ from kernelcrew.agents.playbook.pointwise import (
 
 #: Most leading dims (after coalescing) that the kernel's row -> coordinates indexing handles.
 MAX_LEAD = 4
-DEFAULT_PARAMS = {"MAX_SINGLE": 8192, "CHUNK": 2048, "TILE": 2048, "num_warps": 4, "SPLIT_PER_SM": 4}
+DEFAULT_PARAMS = {
+    "MAX_SINGLE": 8192,
+    "CHUNK": 2048,
+    "TILE": 2048,
+    "num_warps": 4,
+    "SPLIT_PER_SM": 4,
+    "WAIT_PART": 0,
+}
 
 #: IR reductions and the suffixes of the per-row values each one defines.
 REDUCTIONS: dict[str, tuple[str, ...]] = {
@@ -107,6 +124,10 @@ REDUCTIONS: dict[str, tuple[str, ...]] = {
 MERGEABLE = frozenset({"rsum", "rmean", "rmax", "rmin", "rlse", "rmoments"})
 #: Most programs one row is split over.
 MAX_SPLITS = 64
+#: Polls of its row's count before a waiting program stops waiting and reduces the row itself.
+SPIN_POLLS = 20000
+#: Examples with at most this many long rows (4 programs per SM on a GPU of 256 SMs) may split them.
+FEW_ROWS = 512
 STAT = re.compile(r"(\w+) = ")  # a statement that assigns one name
 
 #: Torch-level ops this strategy handles besides the pointwise ones.
@@ -910,14 +931,23 @@ def row_length(plan: RowPlan) -> int:
     return plan.row_shape[-1]
 
 
+def row_count(plan: RowPlan) -> int:
+    """The rows of the task's example: GroupNorm's samples times groups."""
+    if plan.groups is not None:
+        return plan.row_shape[0] * plan.groups
+    return math.prod(plan.row_shape[:-1])
+
+
 def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
-    """MAX_SINGLE x CHUNK x TILE x num_warps (x SPLIT_PER_SM) configurations worth timing on ``arch``.
+    """MAX_SINGLE x CHUNK x TILE x num_warps (x SPLIT_PER_SM, WAIT_PART) configurations worth timing on ``arch``.
 
     ``MAX_SINGLE``: the longest row kept in registers (single pass); ``CHUNK``: the columns per
     iteration of the multi-pass loop; ``TILE``: the elements one program covers when rows are short
     (``ROWS = TILE // BLOCK_N`` rows per program); ``num_warps``: the warps of a ``TILE``-element
     block (scaled with the block); ``SPLIT_PER_SM``: when a launch of multi-pass rows would have
-    fewer programs than this many per SM, each row is split over several (0: never). One
+    fewer programs than this many per SM, each row is split over several (0: never);
+    ``WAIT_PART``: the columns of each part of a split row in the one launch of waiting programs
+    (0: two launches instead; tried second when the example has few long rows). One
     configuration for the CPU interpreter, where big blocks mean fewer interpreted programs. The
     order is the order the planner tries them in: it depends on the example's row length.
     """
@@ -952,6 +982,9 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
         configs.sort(key=lambda c: -c[1])
     space = [{"MAX_SINGLE": s, "CHUNK": c, "TILE": t, "num_warps": w} for s, c, t, w in configs]
     if splittable(plan):  # rows split by default (SPLIT_PER_SM 4); the first config unsplit too
+        if row_count(plan) <= FEW_ROWS and row_length(plan) > max(c[0] for c in configs):
+            # few long rows, split: second, the first config in one launch of waiting parts
+            space.insert(1, {**space[0], "WAIT_PART": 4096})
         space.append({**space[0], "SPLIT_PER_SM": 0})
     return space
 
@@ -974,6 +1007,14 @@ def _check_params(params: dict[str, Any] | None) -> dict[str, int]:
     split = merged["SPLIT_PER_SM"]
     if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split <= 1024:
         raise ValueError(f"SPLIT_PER_SM must be an integer in [0, 1024], got {split!r}")
+    part = merged["WAIT_PART"]
+    if (
+        isinstance(part, bool)
+        or not isinstance(part, int)
+        or not (part == 0 or 16 <= part <= 16384)
+        or part & (part - 1)
+    ):
+        raise ValueError(f"WAIT_PART must be 0 or a power of two in [16, 16384], got {part!r}")
     if merged["num_warps"] not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {merged['num_warps']!r}")
     return merged
@@ -1324,6 +1365,8 @@ class _KernelWriter:
         lines += [
             "    if PHASE == 0:  # one program per row",
             *(f"        {line}" for line in self.multi_pass(early)),
+            "    elif PHASE == 3:  # SPLITS programs per row in one launch, each part read once",
+            *(f"        {line}" for line in self.waiting_pass()),
             "    else:  # SPLITS programs per row, each on one part: its stats (1), then its output (2)",
             *(f"        {line}" for line in self.split_pass()),
         ]
@@ -1414,6 +1457,67 @@ class _KernelWriter:
             *(f"    {line}" for line in body),
         ]
 
+    def post_partials(self, part: str) -> list[str]:
+        """Store each reduction's partial states of part ``part`` of the row in its workspace slot."""
+        lines, slot = [], 0
+        for s in self.plan.reductions:
+            for value in self.partials(s):
+                lines.append(
+                    f"tl.store(ws_ptr + ({slot} * n_rows + rows[:, None]) * SPLITS + {part}, {value}, "
+                    "mask=rmask[:, None])"
+                )
+                slot += 1
+        return lines
+
+    def merged_stats(self, output: list[str]) -> list[str]:
+        """The row's statistics from the SPLITS parts' states, as scalars where ``output`` uses them.
+
+        ROWS is 1 here. As [1, 1] tensors in the layout of the workspace loads, Triton 3.6 broadcast
+        and converted them through shared memory once per program (bench/results/split_rows_ncu:
+        128 registers, L1-bound output launch); scalars broadcast for free."""
+        lines, slot = ["parts = tl.arange(0, SPLITS)"], 0
+        for s in self.plan.reductions:
+            lines += self.merge(s, slot)
+            slot += len(self.partials(s))
+        lines += self.emitter.section(self.per_row_steps(1))
+        text = "\n".join(output)
+        stats = dict.fromkeys(m.group(1) for m in map(STAT.match, lines) if m and m.group(1) != "parts")
+        return lines + [f"{name} = tl.sum({name})" for name in stats if re.search(rf"\b{name}\b", text)]
+
+    def waiting_pass(self) -> list[str]:
+        """Few long rows in one launch (PHASE 3), each element read once: each of SPLITS programs
+        keeps one BLOCK_N part of a row in registers, stores its partial states, counts itself in
+        ``posted`` and polls until the row's other parts have. A row's programs are neighbours, which
+        a GPU starts together, in order; after ``spin`` polls a program reduces every part itself
+        (the same states: the same bits), so no order of execution deadlocks; the CPU interpreter,
+        which runs programs one at a time, passes 0. Then the states merge and the part is written
+        from registers."""
+        reductions = self.plan.reductions
+        red_args = [s.args[0] for s in reductions]
+        reduce = [line for s in reductions for line in self.reduce_init(s)]
+        reduce += ["if start < n_cols:  # a row's last parts may be empty"]
+        reduce += [f"    {line}" for s in reductions for line in self.reduce_update(s)]
+        own = ["start = lo", *self.chunk(red_args)]
+        lines = ["lo = split * BLOCK_N", *own, *reduce, *self.post_partials("split")]
+        lines += [
+            'seen = tl.atomic_add(posted_ptr + pid, 1, sem="acq_rel") + 1',
+            "polls = tl.zeros_like(seen)",
+            "while (seen < SPLITS) & (polls < spin):",
+            '    seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
+            "    polls += 1",
+            "if seen < SPLITS:  # not all posted after spin polls: reduce every part here",
+            "    for part in range(0, SPLITS):",
+            "        start = part * BLOCK_N",
+            *(f"        {line}" for line in [*self.chunk(red_args), *reduce, *self.post_partials("part")]),
+            *(f"    {line}" for line in own),  # this program's part again
+        ]
+        # the output: the operands and per-element steps the reductions did not need yet
+        red_ops, red_steps = self.row_closure(red_args)
+        ops, steps = self.row_closure([self.plan.result])
+        output = [line for i in ops if i not in red_ops for line in self.load_row(i)]
+        output += self.emitter.section([s for s in steps if s not in red_steps]) + self.store()
+        return lines + self.merged_stats(output) + output
+
     def split_pass(self) -> list[str]:
         """Few long rows: each of SPLITS programs reduces one part of a row and stores its partial
         states (PHASE 1); a second launch merges a row's states and writes each part (PHASE 2)."""
@@ -1425,25 +1529,9 @@ class _KernelWriter:
         for s in reductions:
             inner += self.reduce_update(s)
         phase1 += ["for start in range(lo, hi, BLOCK_N):", *(f"    {line}" for line in inner)]
-        phase2 = ["parts = tl.arange(0, SPLITS)"]
-        slot = 0
-        for s in reductions:  # each partial state in its slot of the workspace
-            phase2 += self.merge(s, slot)
-            for value in self.partials(s):
-                phase1.append(
-                    f"tl.store(ws_ptr + ({slot} * n_rows + rows[:, None]) * SPLITS + split, {value}, "
-                    "mask=rmask[:, None])"
-                )
-                slot += 1
-        phase2 += self.emitter.section(self.per_row_steps(1))
+        phase1 += self.post_partials("split")
         loop = self.chunk([self.plan.result]) + self.store()
-        # ROWS is 1 here: the row's statistics become scalars. As [1, 1] tensors in the layout of the
-        # workspace loads, Triton 3.6 broadcast and converted them through shared memory once per
-        # program (bench/results/split_rows_ncu: 128 registers, L1-bound output launch).
-        text = "\n".join(loop)
-        stats = dict.fromkeys(m.group(1) for m in map(STAT.match, phase2) if m and m.group(1) != "parts")
-        phase2 += [f"{name} = tl.sum({name})" for name in stats if re.search(rf"\b{name}\b", text)]
-        phase2.append("for start in range(lo, hi, BLOCK_N):")
+        phase2 = [*self.merged_stats(loop), "for start in range(lo, hi, BLOCK_N):"]
         phase2 += [f"    {line}" for line in loop]
         return [
             "span = ((n_cols + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole chunks per part",
@@ -1497,7 +1585,7 @@ def generate_rowwise(analysis: TaskAnalysis, plan: RowPlan, params: dict[str, An
             *(f"in{i}_ptr" for i in range(n)),
             "out_ptr",
             *(["aux_ptr"] if has_aux else []),
-            *(["ws_ptr"] if split else []),
+            *(["ws_ptr", "posted_ptr", "spin"] if split else []),
         ]
     )
     dims = ", ".join(f"dim{d}" for d in range(1, MAX_LEAD))
@@ -1648,18 +1736,27 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
         launch = f"""    sizes = ({sizes})
     meta = dict({", ".join(meta)})
     splits = 1 if single else _splits(n_rows, n_cols, block, device)
+    parts = triton.next_power_of_2(triton.cdiv(n_cols, WAIT_PART)) if WAIT_PART else 0
     if splits == 1:
         grid = (triton.cdiv(n_rows, rows_per_program),)
-        row_reduction_kernel[grid](*views, out, out, *sizes, ROWS=rows_per_program, SPLITS=1, PHASE=0, num_warps=warps, **meta)
+        row_reduction_kernel[grid](*views, out, out, out, 0, *sizes, ROWS=rows_per_program, SPLITS=1, PHASE=0, num_warps=warps, **meta)
+    elif 1 < parts <= MAX_SPLITS:  # few long rows: a part per program, each in registers, one launch
+        block = triton.next_power_of_2(triton.cdiv(n_cols, parts))
+        meta = dict({", ".join(meta)})
+        ws = torch.empty(({writer.n_partials()}, n_rows, parts), dtype=WS_DTYPE, device=device)
+        posted = torch.zeros(n_rows, dtype=torch.int32, device=device)
+        spin = SPIN_POLLS if device.type == "cuda" else 0  # the interpreter runs one program at a time
+        row_reduction_kernel[(n_rows * parts,)](*views, out, ws, posted, spin, *sizes, ROWS=1, SPLITS=parts, PHASE=3, num_warps=_pow2_at_most(block // 1024, 16), **meta)  # a warp per 1024 columns
     else:  # few long rows: SPLITS programs per row, a stats launch then an output launch
         ws = torch.empty(({writer.n_partials()}, n_rows, splits), dtype=WS_DTYPE, device=device)
         warps = _pow2_at_most(NUM_WARPS * block // TILE, 16) if block > TILE else NUM_WARPS
         for phase in (1, 2):
-            row_reduction_kernel[(n_rows * splits,)](*views, out, ws, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
+            row_reduction_kernel[(n_rows * splits,)](*views, out, ws, out, 0, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
         split_helper = SPLIT_HELPER
         split_doc = (
             "\nFew long rows are split over programs: a launch that stores each part's partial states, then one"
-            "\nthat merges them and writes each part."
+            "\nthat merges them and writes each part; or (WAIT_PART) one launch whose programs keep their part"
+            "\nin registers and wait for the row's other parts' states."
         )
         split_consts = f"""
 #: Few long rows are split over programs when a launch would have fewer than SPLIT_TARGET programs;
@@ -1667,6 +1764,10 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
 SPLIT_TARGET = None
 SPLIT_PER_SM = {p["SPLIT_PER_SM"]}
 MAX_SPLITS = {MAX_SPLITS}
+#: Split rows in parts of at most WAIT_PART columns (up to MAX_SPLITS of them), kept in registers by
+#: programs that wait for the row's statistics: one launch, one read (0: two launches, two reads).
+WAIT_PART = {p["WAIT_PART"]}
+SPIN_POLLS = {SPIN_POLLS}
 WS_DTYPE = torch.{"float64" if plan.compute_dtype == "float64" else "float32"}"""
     else:
         split_args = split_helper = split_consts = split_doc = ""
