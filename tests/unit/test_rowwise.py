@@ -143,17 +143,27 @@ def interpreter():
         yield pool
 
 
-def check_candidate(interpreter, source, input_sets, params=None, rtol=1e-4, split_target=None) -> str:
+TWO_LAUNCHES = "    else:  # few long rows: SPLITS programs per row, a stats launch then an output launch\n"
+
+
+def check_candidate(
+    interpreter, source, input_sets, params=None, rtol=1e-4, split_target=None, waiting=False
+) -> str:
     """Generate the candidate of ``source`` with ``params`` and compare it with the reference.
 
     ``split_target``: rows are split over programs when a launch would have fewer (on a GPU the
-    candidate takes it from the SM count; on the CPU it never splits unless told).
+    candidate takes it from the SM count; on the CPU it never splits unless told). ``waiting``:
+    split rows must take the one launch of waiting parts (the two launches raise).
     """
     a, plan = plan_of(source)
     candidate = generate_rowwise(a, plan, params)
     if split_target is not None:
         assert "SPLIT_TARGET = None" in candidate
         candidate = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {split_target}")
+    if waiting:
+        assert TWO_LAUNCHES in candidate
+        refuse = '        raise AssertionError("split rows took the two launches")\n'
+        candidate = candidate.replace(TWO_LAUNCHES, TWO_LAUNCHES + refuse)
     assert static_check(candidate) == []
     interpreter.submit(compare_in_interpreter, source, candidate, input_sets, rtol).result()
     return candidate
@@ -447,7 +457,42 @@ def test_split_output_pass_uses_the_rows_statistics_as_scalars(name):
         assert re.search(rf"^\s*{stat} = tl\.sum\({stat}\)$", stats, flags=re.M), stat
 
 
+#: Splittable patterns whose input sets have rows longer than SMALL keeps in registers (32 columns),
+#: so that their rows split; LayerNorm(24)'s and the RMSNorm module's rows always fit.
+SPLIT_ROWS = [name for name in SPLITTABLE if name not in ("layer_norm_then_gelu", "rms_norm_module")]
+
+
+def launched_phases(name: str, params: dict, tmp_path: Path) -> set[int]:
+    """The PHASE of every kernel launch of pattern ``name``'s candidate on its input sets, with rows
+    split over programs when fewer than 64 would run: the launches are recorded, not run."""
+    import torch
+
+    forward, inputs, init, args, sets = PATTERNS[name]
+    a, plan = plan_of(task_source(forward, inputs, init, args))
+    path = tmp_path / f"{name}_launches.py"  # @triton.jit needs a source file
+    path.write_text(generate_rowwise(a, plan, params).replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
+    spec = importlib.util.spec_from_file_location(f"launches_{uuid.uuid4().hex[:8]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    launches: list = []
+    module.row_reduction_kernel = LaunchRecorder(module.row_reduction_kernel, launches)
+    torch.manual_seed(2)
+    for input_set in sets(torch):
+        module.ModelNew()(*input_set)
+    return {kwargs["PHASE"] for _, _, kwargs in launches}
+
+
 @pytest.mark.parametrize("name", SPLITTABLE)
+def test_split_patterns_split_their_rows(name, tmp_path):
+    """The split tests below run on the patterns whose rows split: two launches, or one of waiting parts."""
+    if name in SPLIT_ROWS:
+        assert launched_phases(name, SMALL, tmp_path) >= {1, 2}
+        assert 3 in launched_phases(name, SMALL_WAIT, tmp_path)
+    else:
+        assert launched_phases(name, SMALL_WAIT, tmp_path) == {0}
+
+
+@pytest.mark.parametrize("name", SPLIT_ROWS)
 def test_rows_split_over_programs(name, interpreter):
     """A row's parts reduced by several programs, their states merged, each part written by its own."""
     import torch
@@ -459,7 +504,7 @@ def test_rows_split_over_programs(name, interpreter):
     )
 
 
-@pytest.mark.parametrize("name", SPLITTABLE)
+@pytest.mark.parametrize("name", SPLIT_ROWS)
 def test_rows_split_over_programs_that_wait_for_each_other(name, interpreter):
     """One launch: each program keeps its part in registers and waits for the row's statistics. The
     interpreter runs programs one at a time, so every part but a row's last reduces the row itself."""
@@ -468,8 +513,7 @@ def test_rows_split_over_programs_that_wait_for_each_other(name, interpreter):
     forward, inputs, init, args, sets = PATTERNS[name]
     torch.manual_seed(2)
     source = task_source(forward, inputs, init, args)
-    candidate = check_candidate(interpreter, source, sets(torch), SMALL_WAIT, split_target=64)
-    assert "PHASE=3" in candidate
+    check_candidate(interpreter, source, sets(torch), SMALL_WAIT, split_target=64, waiting=True)
 
 
 def test_waiting_parts_read_the_row_once():
@@ -493,8 +537,9 @@ def test_waiting_parts_read_the_row_once():
 
 
 def test_split_rows_with_empty_and_fully_masked_parts(interpreter):
-    """65 columns in 16-column chunks over 4 parts leave the last part empty; a masked half leaves
-    whole parts at -inf (their softmax sums must not turn into NaN when merged)."""
+    """65 columns in 16-column chunks over 4 parts leave the last part empty (in 8 waiting parts of
+    16 columns, the last 3); a masked half leaves whole parts at -inf (their softmax sums must not
+    turn into NaN when merged)."""
     import torch
 
     torch.manual_seed(3)
@@ -506,9 +551,9 @@ def test_split_rows_with_empty_and_fully_masked_parts(interpreter):
         "return x.masked_fill(mask == 0, float('-inf')).softmax(-1)", "x, mask", args="x, mask"
     ).replace("return [x, mask]", "return [torch.randn(3, 65), torch.ones(3, 65, dtype=torch.long)]")
     norm = task_source("return F.layer_norm(x, (65,)) * x.amax(-1, keepdim=True)", "torch.randn(3, 65)")
-    for params in (SMALL, SMALL_WAIT):  # two launches; one (65 columns in 8 parts of 16: 3 empty)
-        check_candidate(interpreter, softmax, [[x, mask]], params, split_target=64)
-        check_candidate(interpreter, norm, [[x], [x[:2] * 100 + 5]], params, split_target=64)
+    for params, waiting in ((SMALL, False), (SMALL_WAIT, True)):  # two launches, then one
+        check_candidate(interpreter, softmax, [[x, mask]], params, split_target=64, waiting=waiting)
+        check_candidate(interpreter, norm, [[x], [x[:2] * 100 + 5]], params, split_target=64, waiting=waiting)
 
 
 def test_how_many_programs_share_a_row(tmp_path):
