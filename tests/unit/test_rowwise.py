@@ -462,6 +462,12 @@ def test_split_output_pass_uses_the_rows_statistics_as_scalars(name):
 SPLIT_ROWS = [name for name in SPLITTABLE if name not in ("layer_norm_then_gelu", "rms_norm_module")]
 
 
+def load_candidate(candidate: str, path: Path):
+    """``candidate`` imported as a fresh module from ``path`` (@triton.jit needs a source file)."""
+    path.write_text(candidate)
+    return import_source(candidate, f"{path.stem}_{uuid.uuid4().hex[:8]}", str(path))
+
+
 def launched_phases(name: str, params: dict, tmp_path: Path) -> set[int]:
     """The PHASE of every kernel launch of pattern ``name``'s candidate on its input sets, with rows
     split over programs when fewer than 64 would run: the launches are recorded, not run."""
@@ -469,11 +475,8 @@ def launched_phases(name: str, params: dict, tmp_path: Path) -> set[int]:
 
     forward, inputs, init, args, sets = PATTERNS[name]
     a, plan = plan_of(task_source(forward, inputs, init, args))
-    path = tmp_path / f"{name}_launches.py"  # @triton.jit needs a source file
-    path.write_text(generate_rowwise(a, plan, params).replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
-    spec = importlib.util.spec_from_file_location(f"launches_{uuid.uuid4().hex[:8]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    candidate = generate_rowwise(a, plan, params).replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64")
+    module = load_candidate(candidate, tmp_path / f"{name}_launches.py")
     launches: list = []
     module.row_reduction_kernel = LaunchRecorder(module.row_reduction_kernel, launches)
     torch.manual_seed(2)
@@ -562,11 +565,7 @@ def test_how_many_programs_share_a_row(tmp_path):
     import torch
 
     a, plan = plan_of(task_source("return x.softmax(-1)", "torch.randn(4, 8)"))
-    path = tmp_path / "split_candidate.py"  # @triton.jit needs a source file
-    path.write_text(generate_rowwise(a, plan))
-    spec = importlib.util.spec_from_file_location(f"split_{uuid.uuid4().hex[:8]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_candidate(generate_rowwise(a, plan), tmp_path / "split_candidate.py")
     cpu = torch.device("cpu")
     assert module._splits(3, 10**6, 2048, cpu) == 1
     module.SPLIT_TARGET = 64
