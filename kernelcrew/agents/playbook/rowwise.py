@@ -56,15 +56,19 @@ per-channel operands load two values per block, ``bench/results/long_rows.md`` m
 The output launch walks each part forward, unhinted: walked back with ``evict_first``, as one-program
 rows are, GroupNorm's best configuration ran 0.1602 ms against 0.1539 (``long_rows_walk.md``).
 
-Those two launches read each element twice, which caps them near two thirds of the DRAM floor. A
-third way reads it once (``WAIT_PART``; the tuning space tries it second when the example has few
-long rows): one launch, a row in up to ``MAX_SPLITS`` parts of at most ``WAIT_PART`` columns, each
-kept in registers by its program, which stores its partial states, counts itself in a per-row
-counter and polls it until the row's other parts have. A row's programs are neighbours, which a GPU
-starts together, in order; a program that has polled ``SPIN_POLLS`` times reduces every part itself
-(the same states in the same order: the same bits), so no schedule deadlocks, and the CPU
-interpreter, which runs one program at a time, takes that path. The generator's version of it has
-not been timed on a GPU yet (``bench/long_rows.py`` times it as one of GroupNorm's configurations).
+Those two launches read each element twice from DRAM, which caps them near two thirds of the DRAM
+floor. A third way reads it once (``WAIT_PART``; the tuning space tries it second when the example
+has few long rows): one launch, a row in up to ``MAX_SPLITS`` parts of at most ``WAIT_PART``
+columns, one per program, which reduces its part, stores its partial states, counts itself in a
+per-row counter and polls it until the row's other parts have, then reads its part again, from L2,
+to write it. A row's programs are neighbours, which a GPU starts together, in order; a program that
+has polled ``SPIN_POLLS`` times reduces every part itself (the same states in the same order: the
+same bits), so no schedule deadlocks, and the CPU interpreter, which runs one program at a time,
+takes that path. On the H100 (``bench/results/waiting_rows.md``) GroupNorm's rows ran in 0.139 ms
+(1.93 TB/s) against 0.155 ms in two launches and 0.185 ms for ``torch.compile``. That is still 66 %
+of the calibrated copy bandwidth (2.94 TB/s, ``suite_h100.json``): every program waits once for
+its row's slowest part, with nothing in flight. Parts of 8192 and 16384 columns ran slower (128 and
+120 registers: fewer programs resident).
 
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
 per element and per row (a scalar weight used on both sides of a reduction) is refused.
@@ -73,7 +77,6 @@ per element and per row (a scalar weight used on both sides of a reduction) is r
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +131,6 @@ MAX_SPLITS = 64
 SPIN_POLLS = 20000
 #: Examples with at most this many long rows (4 programs per SM on a GPU of 256 SMs) may split them.
 FEW_ROWS = 512
-STAT = re.compile(r"(\w+) = ")  # a statement that assigns one name
 
 #: Torch-level ops this strategy handles besides the pointwise ones.
 ROW_OPS = frozenset(
@@ -1258,35 +1260,30 @@ class _KernelWriter:
     def merge(self, s: Step, first: int) -> list[str]:
         """``t_<out>`` of reduction ``s`` from the SPLITS partial states stored from slot ``first`` on."""
         r, o = f"r_{s.out}", f"t_{s.out}"
-        fill = {"rmax": 'float("-inf")', "rmin": 'float("inf")', "rlse": 'float("-inf")'}.get(s.op, "0.0")
         count = len(self.partials(s))
         lines = [
-            f"{r}_q{k} = tl.load(ws_ptr + ({first + k} * n_rows + rows[:, None]) * SPLITS + parts[None, :], "
-            f"mask=rmask[:, None], other={fill if k == 0 else '0.0'})"
+            f"{r}_q{k} = tl.load(ws_ptr + ({first + k} * n_rows + row) * SPLITS + parts)"
             for k in range(count)
         ]
         if s.op in ("rsum", "rmean"):
-            return [
-                *lines,
-                f"{o} = tl.sum({r}_q0, axis=1)[:, None]" + (" / n_cols" if s.op == "rmean" else ""),
-            ]
+            return [*lines, f"{o} = tl.sum({r}_q0)" + (" / n_cols" if s.op == "rmean" else "")]
         if s.op in ("rmax", "rmin"):
-            return [*lines, f"{o} = tl.{s.op[1:]}({r}_q0, axis=1)[:, None]"]
+            return [*lines, f"{o} = tl.{s.op[1:]}({r}_q0)"]
         if s.op == "rlse":  # each part's sum is relative to its own max (0 where that is -inf)
             return [
                 *lines,
-                f"{o}_m = tl.max({r}_q0, axis=1)[:, None]",
+                f"{o}_m = tl.max({r}_q0)",
                 f'{r}_ms = tl.where({o}_m == float("-inf"), 0.0, {o}_m)',
                 f'{r}_qs = tl.where({r}_q0 == float("-inf"), 0.0, {r}_q0)',
-                f'{o}_s = tl.sum(tl.where({r}_q0 == float("-inf"), 0.0, {r}_q1 * tl.exp({r}_qs - {r}_ms)), axis=1)[:, None]',
+                f'{o}_s = tl.sum(tl.where({r}_q0 == float("-inf"), 0.0, {r}_q1 * tl.exp({r}_qs - {r}_ms)))',
             ]
         # rmoments, Chan et al. over the parts: the counts add, the means weigh, the spreads add
         return [
             *lines,
-            f"{r}_n = tl.sum({r}_q0, axis=1)[:, None]",
-            f"{o}_mean = tl.sum({r}_q0 * {r}_q1, axis=1)[:, None] / {r}_n",
+            f"{r}_n = tl.sum({r}_q0)",
+            f"{o}_mean = tl.sum({r}_q0 * {r}_q1) / {r}_n",
             f"{r}_d = {r}_q1 - {o}_mean",
-            f"{o}_var = tl.sum({r}_q2 + {r}_q0 * {r}_d * {r}_d, axis=1)[:, None] / {self.var_divisor(s)}",
+            f"{o}_var = tl.sum({r}_q2 + {r}_q0 * {r}_d * {r}_d) / {self.var_divisor(s)}",
         ]
 
     def reduce_final(self, s: Step) -> list[str]:
@@ -1469,37 +1466,40 @@ class _KernelWriter:
                 slot += 1
         return lines
 
-    def merged_stats(self, output: list[str]) -> list[str]:
-        """The row's statistics from the SPLITS parts' states, as scalars where ``output`` uses them.
+    def merged_stats(self) -> list[str]:
+        """The row's statistics, as scalars, from the SPLITS parts' states (ROWS is 1, and every
+        program's row exists: the launch has n_rows * SPLITS programs).
 
-        ROWS is 1 here. As [1, 1] tensors in the layout of the workspace loads, Triton 3.6 broadcast
-        and converted them through shared memory once per program (bench/results/split_rows_ncu:
-        128 registers, L1-bound output launch); scalars broadcast for free."""
-        lines, slot = ["parts = tl.arange(0, SPLITS)"], 0
+        Loaded as [1, SPLITS] tensors and reduced along axis 1, Triton 3.6 gave them a layout that
+        put all SPLITS states in every thread: 3 x 64 registers for GroupNorm's 64 parts, 254 in
+        all, and the waiting launch ran 2.5x slower than the two launches (bench/results/
+        waiting_rows.md). One-dimensional, they spread over the threads; scalars also broadcast
+        for free where [1, 1] tensors went through shared memory (bench/results/split_rows_ncu)."""
+        lines, slot = ["parts = tl.arange(0, SPLITS)", "row = tl.sum(rows)  # the one row, a scalar"], 0
         for s in self.plan.reductions:
             lines += self.merge(s, slot)
             slot += len(self.partials(s))
-        lines += self.emitter.section(self.per_row_steps(1))
-        text = "\n".join(output)
-        stats = dict.fromkeys(m.group(1) for m in map(STAT.match, lines) if m and m.group(1) != "parts")
-        return lines + [f"{name} = tl.sum({name})" for name in stats if re.search(rf"\b{name}\b", text)]
+        return lines + self.emitter.section(self.per_row_steps(1))
 
     def waiting_pass(self) -> list[str]:
-        """Few long rows in one launch (PHASE 3), each element read once: each of SPLITS programs
-        keeps one BLOCK_N part of a row in registers, stores its partial states, counts itself in
-        ``posted`` and polls until the row's other parts have. A row's programs are neighbours, which
-        a GPU starts together, in order; after ``spin`` polls a program reduces every part itself
-        (the same states: the same bits), so no order of execution deadlocks; the CPU interpreter,
-        which runs programs one at a time, passes 0. Then the states merge and the part is written
-        from registers."""
+        """Few long rows in one launch (PHASE 3), each element read once from DRAM: each of SPLITS
+        programs reduces one BLOCK_N part of a row (its loads hinted ``evict_last``), stores its
+        partial states, counts itself in ``posted`` and polls until the row's other parts have;
+        then it merges the states and reads its part again, from L2 a few microseconds later
+        (hinted ``evict_first``), to write it. Holding the part in registers across the wait
+        instead doubled the registers of a program with the fallback below and ran slower
+        (bench/results/waiting_rows.md). A row's programs are neighbours, which a GPU starts
+        together, in order; after ``spin`` polls a program reduces every part itself (the same
+        states: the same bits), so no order of execution deadlocks; the CPU interpreter, which runs
+        programs one at a time, passes 0."""
         reductions = self.plan.reductions
         red_args = [s.args[0] for s in reductions]
         reduce = [line for s in reductions for line in self.reduce_init(s)]
         reduce += ["if start < n_cols:  # a row's last parts may be empty"]
         reduce += [f"    {line}" for s in reductions for line in self.reduce_update(s)]
-        own = ["start = lo", *self.chunk(red_args)]
-        lines = ["lo = split * BLOCK_N", *own, *reduce, *self.post_partials("split")]
+        lines = ["lo = split * BLOCK_N", "start = lo", *self.chunk(red_args, "evict_last"), *reduce]
         lines += [
+            *self.post_partials("split"),
             'seen = tl.atomic_add(posted_ptr + pid, 1, sem="acq_rel") + 1',
             "polls = tl.zeros_like(seen)",
             "while (seen < SPLITS) & (polls < spin):",
@@ -1509,14 +1509,9 @@ class _KernelWriter:
             "    for part in range(0, SPLITS):",
             "        start = part * BLOCK_N",
             *(f"        {line}" for line in [*self.chunk(red_args), *reduce, *self.post_partials("part")]),
-            *(f"    {line}" for line in own),  # this program's part again
         ]
-        # the output: the operands and per-element steps the reductions did not need yet
-        red_ops, red_steps = self.row_closure(red_args)
-        ops, steps = self.row_closure([self.plan.result])
-        output = [line for i in ops if i not in red_ops for line in self.load_row(i)]
-        output += self.emitter.section([s for s in steps if s not in red_steps]) + self.store()
-        return lines + self.merged_stats(output) + output
+        output = ["start = lo", *self.chunk([self.plan.result], "evict_first"), *self.store()]
+        return lines + self.merged_stats() + output
 
     def split_pass(self) -> list[str]:
         """Few long rows: each of SPLITS programs reduces one part of a row and stores its partial
@@ -1531,7 +1526,7 @@ class _KernelWriter:
         phase1 += ["for start in range(lo, hi, BLOCK_N):", *(f"    {line}" for line in inner)]
         phase1 += self.post_partials("split")
         loop = self.chunk([self.plan.result]) + self.store()
-        phase2 = [*self.merged_stats(loop), "for start in range(lo, hi, BLOCK_N):"]
+        phase2 = [*self.merged_stats(), "for start in range(lo, hi, BLOCK_N):"]
         phase2 += [f"    {line}" for line in loop]
         return [
             "span = ((n_cols + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole chunks per part",
