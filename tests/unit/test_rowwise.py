@@ -748,10 +748,11 @@ def test_long_rows_try_the_biggest_chunks_first():
     assert tuning_space(short, "sm_90")[0]["CHUNK"] == 4096
     for plan in (long, groups):
         space = tuning_space(plan, "sm_90")
-        assert space[0]["CHUNK"] == 8192 and space[-1] == {**space[0], "SPLIT_PER_SM": 0}
-        assert [c["CHUNK"] for c in space[:-1]] == sorted((c["CHUNK"] for c in space[:-1]), reverse=True)
-        # few long rows: the second tries them in one launch of waiting parts
-        assert space[1] == {**space[0], "WAIT_PART": 4096}
+        # few long rows: the first tries them in one launch of waiting parts (waiting_rows.md: 0.139
+        # ms against 0.155 for two launches), the second is the same in two launches
+        assert space[0] == {**space[1], "WAIT_PART": 4096}
+        assert space[1]["CHUNK"] == 8192 and space[-1] == {**space[1], "SPLIT_PER_SM": 0}
+        assert [c["CHUNK"] for c in space[1:-1]] == sorted((c["CHUNK"] for c in space[1:-1]), reverse=True)
 
     def configs(plan):  # the same configurations, in another order
         plain = {"MAX_SINGLE", "CHUNK", "TILE", "num_warps"}

@@ -57,7 +57,7 @@ The output launch walks each part forward, unhinted: walked back with ``evict_fi
 rows are, GroupNorm's best configuration ran 0.1602 ms against 0.1539 (``long_rows_walk.md``).
 
 Those two launches read each element twice from DRAM, which caps them near two thirds of the DRAM
-floor. A third way reads it once (``WAIT_PART``; the tuning space tries it second when the example
+floor. A third way reads it once (``WAIT_PART``; the tuning space tries it first when the example
 has few long rows): one launch, a row in up to ``MAX_SPLITS`` parts of at most ``WAIT_PART``
 columns, one per program, which reduces its part, stores its partial states, counts itself in a
 per-row counter and polls it until the row's other parts have, then reads its part again, from L2,
@@ -949,7 +949,7 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     block (scaled with the block); ``SPLIT_PER_SM``: when a launch of multi-pass rows would have
     fewer programs than this many per SM, each row is split over several (0: never);
     ``WAIT_PART``: the columns of each part of a split row in the one launch of waiting programs
-    (0: two launches instead; tried second when the example has few long rows). One
+    (0: two launches instead; tried first when the example has few long rows). One
     configuration for the CPU interpreter, where big blocks mean fewer interpreted programs. The
     order is the order the planner tries them in: it depends on the example's row length.
     """
@@ -984,10 +984,12 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
         configs.sort(key=lambda c: -c[1])
     space = [{"MAX_SINGLE": s, "CHUNK": c, "TILE": t, "num_warps": w} for s, c, t, w in configs]
     if splittable(plan):  # rows split by default (SPLIT_PER_SM 4); the first config unsplit too
-        if row_count(plan) <= FEW_ROWS and row_length(plan) > max(c[0] for c in configs):
-            # few long rows, split: second, the first config in one launch of waiting parts
-            space.insert(1, {**space[0], "WAIT_PART": 4096})
         space.append({**space[0], "SPLIT_PER_SM": 0})
+        if row_count(plan) <= FEW_ROWS and row_length(plan) > max(c[0] for c in configs):
+            # few long rows, split: first in one launch of waiting parts, read once from DRAM
+            # (bench/results/waiting_rows.md, GroupNorm on the H100: 0.139 ms against 0.155 in two
+            # launches; parts of 8192 and 16384 columns were slower, at 128 and 120 registers)
+            space.insert(0, {**space[0], "WAIT_PART": 4096})
     return space
 
 
