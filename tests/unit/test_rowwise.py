@@ -486,6 +486,72 @@ def launched_phases(name: str, params: dict, tmp_path: Path) -> set[int]:
     return {kwargs["PHASE"] for _, _, kwargs in launches}
 
 
+def test_grouped_chunks_stay_within_two_channels(tmp_path, interpreter):
+    """A chunk of a grouped row spanning more than two channels gathers the per-channel weights
+    column by column (on the H100, 186 registers per thread and 2.2x slower than a chunk of one
+    channel's positions: row_configs.md). So the chunk shrinks to the largest power of two within a
+    channel, down to MIN_GROUPED_CHUNK; below that it spans channels, of at most MAX_GATHER_CHUNK
+    columns and GATHER_PER_THREAD a thread, split rows too. Rows with no per-channel operand keep CHUNK."""
+    import torch
+
+    small = {
+        "MIN_GROUPED_CHUNK = 1024": "MIN_GROUPED_CHUNK = 16",
+        "GATHER_PER_THREAD = 16": "GATHER_PER_THREAD = 1",
+    }
+
+    def candidate_of(source, chunk=64, gather=32, split_target=None):
+        params = {"MAX_SINGLE": 16, "CHUNK": chunk, "TILE": 1024, "num_warps": 1}
+        candidate = generate_rowwise(*plan_of(source), params)
+        edits = {**small, "MAX_GATHER_CHUNK = 4096": f"MAX_GATHER_CHUNK = {gather}"}
+        if split_target:
+            edits["SPLIT_TARGET = None"] = f"SPLIT_TARGET = {split_target}"
+        for old, new in edits.items():
+            assert old in candidate
+            candidate = candidate.replace(old, new)
+        return candidate
+
+    def launches(source, shapes, **kwargs):
+        module = load_candidate(
+            candidate_of(source, **kwargs), tmp_path / f"grouped_{uuid.uuid4().hex[:6]}.py"
+        )
+        record: list = []
+        module.row_reduction_kernel = LaunchRecorder(module.row_reduction_kernel, record)
+        for shape in shapes:
+            module.ModelNew()(torch.randn(*shape))
+        return [(kw["BLOCK_N"], kw["WIDE_POSITIONS"], kw["ROWS"], kw["num_warps"]) for _, _, kw in record]
+
+    # 4 rows of 2 channels, of 100, 32, 20 and 12 positions; 4 rows of 32 gathering columns: 4 warps
+    shapes = [(1, 8, 10, 10), (1, 8, 4, 8), (1, 8, 4, 5), (1, 8, 3, 4)]
+    affine = task_source(
+        "return F.silu(self.gn(x))", "torch.randn(2, 8, 4, 4)", "self.gn = nn.GroupNorm(4, 8)"
+    )
+    assert launches(affine, shapes) == [
+        (64, True, 4, 1),
+        (32, True, 4, 1),
+        (16, True, 4, 1),
+        (32, False, 4, 4),
+    ]
+    plain = task_source("return F.group_norm(x, 4)", "torch.randn(2, 8, 4, 4)")  # x alone: one flat run
+    assert launches(plain, shapes) == [
+        (64, True, 4, 1),
+        (64, False, 4, 1),
+        (64, False, 4, 1),
+        (64, False, 4, 1),
+    ]
+    # one row of 32 channels of 12 positions, split over 2 programs: 128 gathering columns, 4 warps
+    one = task_source(
+        "return F.silu(self.gn(x))", "torch.randn(1, 32, 3, 4)", "self.gn = nn.GroupNorm(1, 32)"
+    )
+    split = {"chunk": 128, "gather": 128, "split_target": 64}
+    assert launches(one, [(1, 32, 3, 4)], **split) == [(128, False, 1, 4)] * 2
+    torch.manual_seed(4)  # and the shrunken chunks give the reference's answer
+    sets = [[torch.randn(*shape) * 2 + 1] for shape in shapes]
+    interpreter.submit(compare_in_interpreter, affine, candidate_of(affine), sets, 1e-4).result()
+    interpreter.submit(
+        compare_in_interpreter, one, candidate_of(one, **split), [[torch.randn(1, 32, 3, 4)]], 1e-4
+    ).result()
+
+
 @pytest.mark.parametrize("name", SPLITTABLE)
 def test_split_patterns_split_their_rows(name, tmp_path):
     """The split tests below run on the patterns whose rows split: two launches, or one of waiting parts."""

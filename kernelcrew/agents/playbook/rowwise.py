@@ -1642,6 +1642,16 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
     # nothing to compute for an empty output; a loss over no rows (or reductions of empty rows) raises
     empty = "" if has_aux else "\n    if out.numel() == 0:\n        return out"
     grouped = plan.groups is not None
+    chunk = "_grouped_chunk(positions, modes)" if grouped else "CHUNK"  # the multi-pass block
+
+    def gather_warps(rows: str, indent: str) -> str:  # chunks that gather: more warps, fewer registers
+        if not grouped:
+            return ""
+        return (
+            f"{indent}if not single and any(modes) and positions < block:  # GATHER_PER_THREAD columns a thread\n"
+            f"{indent}    warps = max(warps, _pow2_at_most({rows} * block // (32 * GATHER_PER_THREAD), 16))\n"
+        )
+
     shapes = ", ".join(f"ops[{i}].shape" for i in row_ops)
     if grouped:
         channel = [plan.reshapes[i] == "channel" for i in range(n)]
@@ -1679,6 +1689,27 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
     position_stride = kept[-1][1] if kept else 0
     mode = 0 if v.stride(1) == positions * position_stride else 2 if position_stride == 0 else 1
     return v, (v.stride(0), v.stride(1), position_stride), mode
+
+
+#: Chunks of grouped rows (see _grouped_chunk): the fewest columns one shrinks to within a channel,
+#: the most columns of one that spans channels, and its columns per thread.
+MIN_GROUPED_CHUNK = 1024
+MAX_GATHER_CHUNK = 4096
+GATHER_PER_THREAD = 16
+
+
+def _grouped_chunk(positions, modes):
+    """CHUNK, unless a CHUNK-column block would span more than two channels while an operand is not
+    one flat run (weights: a value per channel): such a block gathers that operand column by column,
+    dividing each column by the channel's positions (on the H100, 186 registers per thread at 8192
+    columns: row_configs.md). Then the largest power of two within a channel, if at least
+    MIN_GROUPED_CHUNK; else at most MAX_GATHER_CHUNK columns, and GATHER_PER_THREAD a thread
+    (see the launch)."""
+    if positions >= CHUNK or not any(modes):
+        return CHUNK
+    if positions >= MIN_GROUPED_CHUNK:
+        return _pow2_at_most(positions, CHUNK)
+    return min(CHUNK, MAX_GATHER_CHUNK)
 
 
 '''
@@ -1747,7 +1778,7 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
     else:  # few long rows: SPLITS programs per row, a stats launch then an output launch
         ws = torch.empty(({writer.n_partials()}, n_rows, splits), dtype=WS_DTYPE, device=device)
         warps = _pow2_at_most(NUM_WARPS * block // TILE, 16) if block > TILE else NUM_WARPS
-        for phase in (1, 2):
+{gather_warps("1", "        ")}        for phase in (1, 2):
             row_reduction_kernel[(n_rows * splits,)](*views, out, ws, out, 0, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
         split_helper = SPLIT_HELPER
         split_doc = (
@@ -1878,10 +1909,10 @@ def row_reduction({", ".join(args)}):
     if n_rows >= 2**31:
         raise ValueError(f"{{n_rows}} rows: at most 2**31 - 1 are supported")
     single = n_cols <= MAX_SINGLE
-    block = max(16, triton.next_power_of_2(n_cols)) if single else CHUNK
+    block = max(16, triton.next_power_of_2(n_cols)) if single else {chunk}
     rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
     warps = _pow2_at_most(NUM_WARPS * rows_per_program * block // TILE, 16) if rows_per_program * block > TILE else NUM_WARPS
-{launch}{finish}
+{gather_warps("rows_per_program", "    ")}{launch}{finish}
 
 
 {CONTAINER_SOURCE}
