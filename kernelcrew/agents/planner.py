@@ -205,6 +205,12 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
         for s in menu:
             if s.strategy == wanted:
                 return s
+    best = state.best
+    if best is not None and best.speedup_compile is not None and best.speedup_compile < 1:
+        # the best so far loses to torch.compile: the strategies not tried yet (the compiler's
+        # own among them) go ahead of more configurations of those that lost
+        tried_strategies = {it.get("strategy") for it in state.iterations}
+        menu.sort(key=lambda s: s.strategy in tried_strategies)  # stable: the menu's order otherwise
     # the first step expected to end inside the time budget; the first of all when none is
     return next((s for s in menu if _fits_budget(state, s)), menu[0] if menu else None)
 

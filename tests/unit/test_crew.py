@@ -384,6 +384,38 @@ def test_the_playbook_takes_the_first_step_that_fits(monkeypatch):
     assert not planner._fits_budget(state, autotune)
 
 
+def test_a_best_slower_than_the_compiler_sends_the_playbook_to_untried_strategies(monkeypatch):
+    """Own kernels come first in the menu, each with every configuration of its tuning space; when
+    the best verified so far is slower than torch.compile's baseline, the strategies not yet tried
+    (the compiler's own candidates among them) go ahead of the tried ones' other configurations,
+    so that a short budget still delivers the fastest kind (bench/results/groupnorm_bf16_h100.md: two
+    GroupNorm configurations at 0.71x torch.compile filled a two-step run)."""
+    from kernelcrew.agents import planner
+    from kernelcrew.agents.state import Candidate, CrewState, Options, PlanStep
+
+    rows = [
+        PlanStep(strategy="row_reduction", rationale="r", expected_gain=2.0, params={"CHUNK": c})
+        for c in (8192, 4096)
+    ]
+    compiler = PlanStep(strategy="torch_compile", rationale="r", expected_gain=1.5)
+    monkeypatch.setattr(planner, "_menu", lambda state: [*rows, compiler])
+    best = Candidate(id="c1", strategy="row_reduction", source_kind="kernel", source="", verdict="pass")
+    state = CrewState(
+        task_source="",
+        options=Options(device="cuda", time_budget_s=600.0),
+        iterations=[{"step": 1, "elapsed_s": 20.0, "strategy": "row_reduction"}],
+        tried=[planner.step_key("row_reduction", {"CHUNK": 8192})],
+        best=best,
+        started_at=time.time() - 21.0,
+    )
+    prefs = {"only_kernels": False, "try": [], "skip": set(), "more": 0, "stop": False}
+    for speedup, expected in ((0.71, compiler), (1.05, rows[1]), (None, rows[1])):
+        best.speedup_compile = speedup
+        assert planner._plan_with_playbook(state, prefs) == expected
+    best.speedup_compile = 0.71
+    assert planner._plan_with_playbook(state, {**prefs, "only_kernels": True}) == rows[1]
+
+
 def test_a_past_win_earns_its_strategy_the_first_step_not_every_step():
     """One fp16 linear layer with ReLU, where an earlier run recorded a Triton matmul win (without
     trying cuBLASLt): that configuration goes first, then each other strategy's first try, then
