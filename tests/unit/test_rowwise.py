@@ -552,6 +552,40 @@ def test_grouped_chunks_stay_within_two_channels(tmp_path, interpreter):
     ).result()
 
 
+def test_weights_are_read_as_columns_where_blocks_would_gather_them(tmp_path, interpreter):
+    """Where a block spans more than two channels, weights that are the same for every sample are
+    copied to one value per column and read like the input (on the H100, 0.0995 ms against 0.149
+    for the gathers: row_configs.md); only with PER_COLUMN_SAMPLES samples per copy (the copy is
+    made each call), never per-sample values (an embedding added to every channel), never where
+    blocks stay within a channel."""
+    import torch
+
+    def modes(source, shapes, params):
+        candidate = generate_rowwise(*plan_of(source), params)
+        module = load_candidate(candidate, tmp_path / f"columns_{uuid.uuid4().hex[:6]}.py")
+        record: list = []
+        module.row_reduction_kernel = LaunchRecorder(module.row_reduction_kernel, record)
+        for shape in shapes:
+            module.ModelNew()(*(torch.randn(*s) for s in shape))
+        return [tuple(v for k, v in sorted(kw.items()) if k.startswith("MODE")) for _, _, kw in record]
+
+    chunks = {"MAX_SINGLE": 16, "CHUNK": 64, "TILE": 1024, "num_warps": 1}  # 24 columns: multi-pass
+    source = task_source(
+        "return F.silu(self.gn(x))", "torch.randn(2, 8, 4, 4)", "self.gn = nn.GroupNorm(4, 8)"
+    )
+    assert modes(source, [[(16, 8, 3, 4)], [(15, 8, 3, 4)]], chunks) == [(0, 0, 0), (0, 2, 2)]  # 15: too few
+    assert modes(source, [[(16, 8, 3, 4)]], {**chunks, "MAX_SINGLE": 32}) == [(0, 0, 0)]  # in registers too
+    assert modes(source, [[(16, 8, 8, 8)]], chunks) == [(0, 2, 2)]  # 64 positions: within a channel
+    forward, inputs, init, args, _sets = PATTERNS["group_norm_embedding_residual"]  # x + emb, weights
+    emb = modes(task_source(forward, inputs, init, args), [[(16, 6, 3, 4), (16, 6, 1, 1)]], chunks)
+    assert len(emb) == 1 and sorted(emb[0]) == [0, 0, 0, 2]  # one value per sample and channel: gathered
+    torch.manual_seed(5)
+    sets = [[torch.randn(16, 8, 3, 4) * 2 + 1], [torch.randn(16, 8, 5) - 3]]
+    interpreter.submit(
+        compare_in_interpreter, source, generate_rowwise(*plan_of(source), chunks), sets, 1e-4
+    ).result()
+
+
 @pytest.mark.parametrize("name", SPLITTABLE)
 def test_split_patterns_split_their_rows(name, tmp_path):
     """The split tests below run on the patterns whose rows split: two launches, or one of waiting parts."""
