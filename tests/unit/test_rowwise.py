@@ -554,7 +554,7 @@ def test_grouped_chunks_stay_within_two_channels(tmp_path, interpreter):
 
 def test_weights_are_read_as_columns_where_blocks_would_gather_them(tmp_path, interpreter):
     """Where a block spans more than two channels, weights that are the same for every sample are
-    copied to one value per column and read like the input (on the H100, 0.0995 ms against 0.149
+    copied to one value per column and read like the input (on the H100, 0.0999 ms against 0.1488
     for the gathers: row_configs.md); only with PER_COLUMN_SAMPLES samples per copy (the copy is
     made each call), never per-sample values (an embedding added to every channel), never where
     blocks stay within a channel."""
