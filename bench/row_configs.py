@@ -31,7 +31,7 @@ from waiting_rows import TIMING, generators, kernel_registers  # noqa: E402
 from kernelcrew.task import import_source  # noqa: E402
 from kernelcrew.tools.timing import measure  # noqa: E402
 
-TASKS = [ROOT / "bench/kb/groupnorm_silu_unet_bf16.py", ROOT / "bench/kb/groupnorm_silu_narrow_bf16.py"]
+TASKS = [ROOT / f"bench/kb/groupnorm_silu_{name}_bf16.py" for name in ("unet", "narrow", "deep")]
 
 
 def config_label(params: dict) -> str:
