@@ -1643,9 +1643,9 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
     empty = "" if has_aux else "\n    if out.numel() == 0:\n        return out"
     grouped = plan.groups is not None
     chunk = "_grouped_chunk(positions, modes)" if grouped else "CHUNK"  # the multi-pass block
-    per_column = (
-        f"    if any(modes) and positions < (max(16, triton.next_power_of_2(n_cols)) if single else {chunk}):\n"
-        "        _per_column(views, strides, modes, shape, positions)  # blocks would gather: copy them as columns\n"
+    per_column = (  # blocks that would gather per-channel weights read them as columns instead
+        "    if any(modes) and positions < block and _per_column(views, strides, modes, shape, positions) and not single:\n"
+        "        block = _grouped_chunk(positions, modes)  # for what is left to gather, if anything\n"
         if grouped
         else ""
     )
@@ -1727,14 +1727,15 @@ def _per_column(views, strides, modes, shape, positions):
     value per column of a sample and read like the input, where blocks would gather them: no
     gather and no division by the positions (row_configs.md: GroupNorm over channels of 256
     positions on the H100). Only where the batch has PER_COLUMN_SAMPLES samples per copied
-    operand: each call makes the copies."""
+    operand: each call makes the copies. Whether it copied any."""
     copied = [i for i, (v, mode) in enumerate(zip(views, modes)) if mode == 2 and v.stride(0) == 0]
     if not copied or len(copied) * PER_COLUMN_SAMPLES > shape[0]:
-        return
+        return False
     for i in copied:
         columns = views[i][0].contiguous().unsqueeze(0).expand(shape)
         views[i], sample_channel_position, modes[i] = _grouped(columns, positions)
         strides[5 * i : 5 * i + 3] = sample_channel_position
+    return True
 
 
 '''
@@ -1934,8 +1935,8 @@ def row_reduction({", ".join(args)}):
     if n_rows >= 2**31:
         raise ValueError(f"{{n_rows}} rows: at most 2**31 - 1 are supported")
     single = n_cols <= MAX_SINGLE
-{per_column}    block = max(16, triton.next_power_of_2(n_cols)) if single else {chunk}
-    rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
+    block = max(16, triton.next_power_of_2(n_cols)) if single else {chunk}
+{per_column}    rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
     warps = _pow2_at_most(NUM_WARPS * rows_per_program * block // TILE, 16) if rows_per_program * block > TILE else NUM_WARPS
 {gather_warps("rows_per_program", "    ")}{launch}{finish}
 
