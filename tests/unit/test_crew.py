@@ -386,10 +386,11 @@ def test_the_playbook_takes_the_first_step_that_fits(monkeypatch):
 
 def test_a_best_slower_than_the_compiler_sends_the_playbook_to_untried_strategies(monkeypatch):
     """Own kernels come first in the menu, each with every configuration of its tuning space; when
-    the best verified so far is slower than torch.compile's baseline, the strategies not yet tried
-    (the compiler's own candidates among them) go ahead of the tried ones' other configurations,
-    so that a short budget still delivers the fastest kind (bench/results/groupnorm_bf16_h100.md: two
-    GroupNorm configurations at 0.71x torch.compile filled a two-step run)."""
+    the best verified so far is clearly slower than torch.compile's baseline (under
+    LOSING_TO_COMPILE), the strategies not yet tried (the compiler's own candidates among them) go
+    ahead of the tried ones' other configurations, so that a short budget still delivers the
+    fastest kind (bench/results/groupnorm_bf16_h100.md: two GroupNorm configurations at 0.71x
+    torch.compile filled a two-step run). Nearer the compiler, the next configuration comes next."""
     from kernelcrew.agents import planner
     from kernelcrew.agents.state import Candidate, CrewState, Options, PlanStep
 
@@ -409,7 +410,7 @@ def test_a_best_slower_than_the_compiler_sends_the_playbook_to_untried_strategie
         started_at=time.time() - 21.0,
     )
     prefs = {"only_kernels": False, "try": [], "skip": set(), "more": 0, "stop": False}
-    for speedup, expected in ((0.71, compiler), (1.05, rows[1]), (None, rows[1])):
+    for speedup, expected in ((0.71, compiler), (0.94, rows[1]), (1.05, rows[1]), (None, rows[1])):
         best.speedup_compile = speedup
         assert planner._plan_with_playbook(state, prefs) == expected
     best.speedup_compile = 0.71
