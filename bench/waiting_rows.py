@@ -65,8 +65,17 @@ def kernel_registers(module) -> list[dict]:
     return found
 
 
-def run_task(path: Path, sms: int, gens: dict[str, object]) -> dict:
-    del sms
+def wait_configs(gen, plan) -> dict[str, dict]:
+    """The two-launch configuration and the waiting one at each part size."""
+    # the first configuration without waiting parts (the generator of 39f5e3e tried them second)
+    base = next(c for c in gen.tuning_space(plan, "sm_90") if "WAIT_PART" not in c)
+    return {"two_launch": base, **{f"wait_{p}": {**base, "WAIT_PART": p} for p in WAIT_PARTS}}
+
+
+def time_generated(path: Path, gens: dict[str, object], configs_of, prefix: str) -> dict:
+    """Eager, torch.compile and, per generator, the candidate of each configuration that
+    ``configs_of(generator, plan)`` names (keyed ``label/name``), each checked against the float64
+    reference on fresh inputs and its kernels' registers read, all timed in one ``measure`` call."""
     analysis, plan, task, model, ref64, inputs, fresh = row_setup(path)
     nbytes = sum(t.numel() * t.element_size() for t in inputs)
     with torch.no_grad():
@@ -78,15 +87,11 @@ def run_task(path: Path, sms: int, gens: dict[str, object]) -> dict:
         callables = {"eager": lambda xs: model(*xs), "compile": lambda xs: compiled(*xs)}
         row = {"task": path.stem, "bytes": nbytes, "candidates": {}}
         for label, gen in gens.items():
-            # the first configuration without waiting parts (the generator of 39f5e3e tried them second)
-            base = next(c for c in gen.tuning_space(plan, "sm_90") if "WAIT_PART" not in c)
-            configs = {"two_launch": base, **{f"wait_{p}": {**base, "WAIT_PART": p} for p in WAIT_PARTS}}
-            for name, params in configs.items():
+            for name, params in configs_of(gen, plan).items():
                 text = gen.generate_rowwise(analysis, plan, params)
                 key = f"{label}/{name}"
-                file = (
-                    WORK / f"wait_{path.stem}_{label}_{name}.py"
-                )  # Triton reads a kernel's source from its file
+                # Triton reads a kernel's source from its file
+                file = WORK / f"{prefix}_{path.stem}_{label}_{name}.py"
                 file.write_text(text)
                 module = import_source(text, file.stem, str(file))
                 new = module.ModelNew(*task.get_init_inputs()).cuda()
@@ -101,7 +106,10 @@ def run_task(path: Path, sms: int, gens: dict[str, object]) -> dict:
     row["compile"] = {k: timing["compile"][k] for k in keys}
     for key, entry in row["candidates"].items():
         entry.update({k: timing[key][k] for k in keys})
-        print(f"{path.stem} {key}: {entry['median_ms']:.4f} ms, {entry['kernels']}", flush=True)
+        print(
+            f"{path.stem} {key} {entry['params']}: {entry['median_ms']:.4f} ms, {entry['kernels']}",
+            flush=True,
+        )
     return row
 
 
@@ -143,7 +151,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main_for(name: str, tasks: list[Path], configs_of, markdown) -> None:
+    """The command line of a script that times ``configs_of``'s candidates of row tasks."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("tasks", nargs="*")
@@ -153,13 +162,17 @@ def main() -> None:
     gens = generators(args)
     sys.argv = [sys.argv[0], args.out, *args.tasks]  # run_suite reads OUT and tasks from argv
     run_suite(
-        "waiting_rows",
-        TASKS,
-        lambda path, sms: run_task(path, sms, gens),
+        name,
+        tasks,
+        lambda path, sms: time_generated(path, gens, configs_of, name),
         markdown,
         commit=os.environ.get("KERNELCREW_COMMIT", "unknown"),
         old=args.label if args.generator else "",
     )
+
+
+def main() -> None:
+    main_for("waiting_rows", TASKS, wait_configs, markdown)
 
 
 if __name__ == "__main__":
