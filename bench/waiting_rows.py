@@ -2,11 +2,13 @@
 
 GroupNorm makes few, long rows (262144 columns in the SD-VAE block), split over programs. The
 two-launch path reads every part twice from DRAM: a stats launch, then an output launch. The
-waiting path (``WAIT_PART``) is one launch in which each program reduces its part, posts its
-partial states, waits for the row's other parts and then writes its part, reading it again from L2.
+waiting path (``WAIT_PART``) is one launch in which each program reduces its part and posts its
+partial states, then waits for the row of the part it writes and writes it, reading it again from
+L2: its own part (``WAIT_LAG`` 0), or one read by programs started earlier (the reads since span
+``WAIT_LAG`` % of L2).
 
 For each GroupNorm task this script builds the candidate of the two-launch configuration (the
-tuning space's first) and of the waiting one at several part sizes, with the generator of this
+tuning space's first) and of the waiting one at several part sizes and lags, with the generator of this
 checkout and, with ``--generator FILE``, with an older copy of ``rowwise.py`` too (its rows are
 labelled ``--label``), so that a change is timed against what it replaced in one call. Every
 candidate is checked against a float64 reference on inputs the timing never saw; eager and
@@ -38,7 +40,8 @@ from kernelcrew.task import import_source  # noqa: E402
 from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
 
 TASKS = [ROOT / "bench/suite/groupnorm_silu_fp16.py", ROOT / "bench/kb/groupnorm_silu_unet_bf16.py"]
-WAIT_PARTS = (4096, 8192, 16384)  # 2048 would make 128 parts of a GroupNorm row: over MAX_SPLITS
+WAIT_PARTS = (4096, 8192)  # 2048 would make 128 parts of a GroupNorm row: over MAX_SPLITS
+WAIT_LAGS = (24, 28, 32)  # % of L2
 TIMING = TimingConfig(min_reps=60, max_reps=300, max_time_s=60.0)
 
 
@@ -69,7 +72,11 @@ def wait_configs(gen, plan) -> dict[str, dict]:
     """The two-launch configuration and the waiting one at each part size."""
     # the first configuration without waiting parts (the generator of 39f5e3e tried them second)
     base = next(c for c in gen.tuning_space(plan, "sm_90") if "WAIT_PART" not in c)
-    return {"two_launch": base, **{f"wait_{p}": {**base, "WAIT_PART": p} for p in WAIT_PARTS}}
+    configs = {"two_launch": base, **{f"wait_{p}": {**base, "WAIT_PART": p} for p in WAIT_PARTS}}
+    if "WAIT_LAG" in gen.DEFAULT_PARAMS:  # older generators have no lag
+        for p in WAIT_PARTS:
+            configs |= {f"wait_{p}_lag{lag}": {**base, "WAIT_PART": p, "WAIT_LAG": lag} for lag in WAIT_LAGS}
+    return configs
 
 
 def time_generated(path: Path, gens: dict[str, object], configs_of, prefix: str) -> dict:

@@ -110,6 +110,7 @@ DEFAULT_PARAMS = {
     "num_warps": 4,
     "SPLIT_PER_SM": 4,
     "WAIT_PART": 0,
+    "WAIT_LAG": 0,
 }
 
 #: IR reductions and the suffixes of the per-row values each one defines.
@@ -941,7 +942,8 @@ def row_count(plan: RowPlan) -> int:
 
 
 def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
-    """MAX_SINGLE x CHUNK x TILE x num_warps (x SPLIT_PER_SM, WAIT_PART) configurations worth timing on ``arch``.
+    """MAX_SINGLE x CHUNK x TILE x num_warps (x SPLIT_PER_SM, WAIT_PART, WAIT_LAG) configurations
+    worth timing on ``arch``.
 
     ``MAX_SINGLE``: the longest row kept in registers (single pass); ``CHUNK``: the columns per
     iteration of the multi-pass loop; ``TILE``: the elements one program covers when rows are short
@@ -949,7 +951,8 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     block (scaled with the block); ``SPLIT_PER_SM``: when a launch of multi-pass rows would have
     fewer programs than this many per SM, each row is split over several (0: never);
     ``WAIT_PART``: the columns of each part of a split row in the one launch of waiting programs
-    (0: two launches instead; tried first when the example has few long rows). One
+    (0: two launches instead; tried first when the example has few long rows); ``WAIT_LAG``: in
+    that launch, how far behind its own part (in % of L2 read since) a program writes one. One
     configuration for the CPU interpreter, where big blocks mean fewer interpreted programs. The
     order is the order the planner tries them in: it depends on the example's row length.
     """
@@ -986,10 +989,10 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
     if splittable(plan):  # rows split by default (SPLIT_PER_SM 4); the first config unsplit too
         space.append({**space[0], "SPLIT_PER_SM": 0})
         if row_count(plan) <= FEW_ROWS and row_length(plan) > max(c[0] for c in configs):
-            # few long rows, split: first in one launch of waiting parts, read once from DRAM
-            # (bench/results/waiting_rows.md, GroupNorm on the H100: 0.139 ms against 0.155 in two
-            # launches; parts of 8192 and 16384 columns were slower, at 128 and 120 registers)
-            space.insert(0, {**space[0], "WAIT_PART": 4096})
+            # few long rows, split: first in one launch of waiting parts, read once from DRAM, each
+            # program writing a part read WAIT_LAG % of L2 earlier, then writing its own part
+            # (bench/results/waiting_rows.md, GroupNorm on the H100)
+            space[:0] = [{**space[0], "WAIT_PART": 8192, "WAIT_LAG": 28}, {**space[0], "WAIT_PART": 4096}]
     return space
 
 
@@ -1019,6 +1022,9 @@ def _check_params(params: dict[str, Any] | None) -> dict[str, int]:
         or part & (part - 1)
     ):
         raise ValueError(f"WAIT_PART must be 0 or a power of two in [16, 16384], got {part!r}")
+    lag = merged["WAIT_LAG"]
+    if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= 100:
+        raise ValueError(f"WAIT_LAG must be an integer percentage of L2 in [0, 100], got {lag!r}")
     if merged["num_warps"] not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {merged['num_warps']!r}")
     return merged
@@ -1302,7 +1308,7 @@ class _KernelWriter:
             return [f"{o}_mean = {r}_mean", f"{o}_var = {r}_m2 / {self.var_divisor(s)}"]
         raise ValueError(f"no Triton code for reduction {s.op!r}")
 
-    def store(self) -> list[str]:
+    def store(self, hint: str = "") -> list[str]:
         plan = self.plan
         result = self.emitter.ref(plan.result)
         if plan.loss_reduction is not None:
@@ -1316,23 +1322,55 @@ class _KernelWriter:
             result = f"_round_bf16({result})"
         value = f"{result}.to(out_ptr.dtype.element_ty)"
         if plan.result_layout == "row":
-            return [f"tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], {value}, mask=mask)"]
+            policy = f', eviction_policy="{hint}"' if hint else ""
+            return [f"tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], {value}, mask=mask{policy})"]
         return [f"tl.store(out_ptr + rows[:, None], {value}, mask=rmask[:, None])"]
 
     # --- the body --------------------------------------------------------------------------------
     def body(self) -> list[str]:
-        plan = self.plan
-        n = len(plan.operands)
-        lines = ["pid = tl.program_id(0)"]
-        if self.splittable:
-            lines += [
-                "if PHASE == 2:  # walk back: the parts the stats phase read last are still in L2",
-                "    pid = tl.num_programs(0) - 1 - pid",
-                "if SPLITS > 1:  # a row's parts are neighbouring programs",
-                "    split = pid % SPLITS",
-                "    pid = pid // SPLITS",
+        header = self.row_header()
+        early = self.per_row_steps(0)
+        lines = ["if SINGLE_PASS:  # the whole row in registers: read once, write once"]
+        lines += [f"    {line}" for line in self.single_pass(early)]
+        lines.append(
+            "else:  # rows longer than one block: one pass per reduction level, then one that writes"
+        )
+        if not self.splittable:
+            return [
+                "pid = tl.program_id(0)",
+                *header,
+                *lines,
+                *(f"    {line}" for line in self.multi_pass(early)),
             ]
         lines += [
+            "    if PHASE == 0:  # one program per row",
+            *(f"        {line}" for line in self.multi_pass(early)),
+            "    else:  # SPLITS programs per row, each on one part: its stats (1), then its output (2)",
+            *(f"        {line}" for line in self.split_pass()),
+        ]
+        others = [
+            "if PHASE == 2:  # walk back: the parts the stats phase read last are still in L2",
+            "    pid = tl.num_programs(0) - 1 - pid",
+            "if SPLITS > 1:  # a row's parts are neighbouring programs",
+            "    split = pid % SPLITS",
+            "    pid = pid // SPLITS",
+            *header,
+            *lines,
+        ]
+        return [
+            "pid = tl.program_id(0)",
+            "if PHASE == 3:  # SPLITS programs per row in one launch, each part read once from DRAM",
+            *(f"    {line}" for line in self.waiting_pass(header)),
+            "else:",
+            *(f"    {line}" for line in others),
+        ]
+
+    def row_header(self) -> list[str]:
+        """Program ``pid``'s rows, each operand's offset of each, its per-row operands and their
+        per-row math (stage 0)."""
+        plan = self.plan
+        n = len(plan.operands)
+        lines = [
             "rows32 = pid * ROWS + tl.arange(0, ROWS)  # n_rows < 2**31: 32-bit row coordinates",
             "rows = rows32.to(tl.int64)",
             "rmask = rows < n_rows",
@@ -1351,25 +1389,7 @@ class _KernelWriter:
             lines.append("# per-row operands")
             lines += [self.load_red(i) for i in red_ops]
         # per-row math of operands only (stage 0): computed once, before any pass
-        early = self.per_row_steps(0)
-        lines += self.emitter.section(early)
-        lines.append("if SINGLE_PASS:  # the whole row in registers: read once, write once")
-        lines += [f"    {line}" for line in self.single_pass(early)]
-        lines.append(
-            "else:  # rows longer than one block: one pass per reduction level, then one that writes"
-        )
-        if not self.splittable:
-            lines += [f"    {line}" for line in self.multi_pass(early)]
-            return lines
-        lines += [
-            "    if PHASE == 0:  # one program per row",
-            *(f"        {line}" for line in self.multi_pass(early)),
-            "    elif PHASE == 3:  # SPLITS programs per row in one launch, each part read once",
-            *(f"        {line}" for line in self.waiting_pass()),
-            "    else:  # SPLITS programs per row, each on one part: its stats (1), then its output (2)",
-            *(f"        {line}" for line in self.split_pass()),
-        ]
-        return lines
+        return lines + self.emitter.section(self.per_row_steps(0))
 
     def row_offsets(self) -> list[str]:
         """Each operand's offset of each row, from the row's coordinates in the coalesced leading dims."""
@@ -1483,26 +1503,40 @@ class _KernelWriter:
             slot += len(self.partials(s))
         return lines + self.emitter.section(self.per_row_steps(1))
 
-    def waiting_pass(self) -> list[str]:
-        """Few long rows in one launch (PHASE 3), each element read once from DRAM: each of SPLITS
-        programs reduces one BLOCK_N part of a row (its loads hinted ``evict_last``), stores its
-        partial states, counts itself in ``posted`` and polls until the row's other parts have;
-        then it merges the states and reads its part again, from L2 a few microseconds later
-        (hinted ``evict_first``), to write it. Holding the part in registers across the wait
-        instead doubled the registers of a program with the fallback below and ran slower
-        (bench/results/waiting_rows.md). A row's programs are neighbours, which a GPU starts
-        together, in order; after ``spin`` polls a program reduces every part itself (the same
-        states: the same bits), so no order of execution deadlocks; the CPU interpreter, which runs
-        programs one at a time, passes 0."""
+    def waiting_pass(self, header: list[str]) -> list[str]:
+        """Few long rows in one launch (PHASE 3), each element read once from DRAM. Program ``i``
+        reduces part ``i`` (one BLOCK_N part of a row, its loads hinted ``evict_last``), stores its
+        partial states and counts itself in its row's ``posted``; then it writes part ``i - lag``:
+        it polls that part's row until all its parts have posted, merges their states and reads the
+        part again, from L2 (hinted ``evict_first``, as are its stores, which keeps the parts still
+        to be re-read in L2).
+
+        With ``lag`` 0 a program writes its own part once the row's other parts, its neighbours,
+        have posted: every program waits for its row's slowest part with none of its loads in
+        flight. With a lag of at least a row's parts, each program writes a part whose row was read
+        by programs started long before it (``lag`` is sized to a share of L2: WAIT_LAG), so it
+        rarely waits, and it depends only on programs started before it (bench/results/
+        waiting_rows.md). Holding a part in registers across the wait instead doubled the registers
+        of a program and ran slower. After ``spin`` polls a program reduces every part of the row
+        itself (the same states: the same bits), so no order of execution deadlocks; the CPU
+        interpreter, which runs programs one at a time in order, passes 0."""
         reductions = self.plan.reductions
         red_args = [s.args[0] for s in reductions]
         reduce = [line for s in reductions for line in self.reduce_init(s)]
         reduce += ["if start < n_cols:  # a row's last parts may be empty"]
         reduce += [f"    {line}" for s in reductions for line in self.reduce_update(s)]
-        lines = ["lo = split * BLOCK_N", "start = lo", *self.chunk(red_args, "evict_last"), *reduce]
-        lines += [
-            *self.post_partials("split"),
-            'seen = tl.atomic_add(posted_ptr + pid, 1, sem="acq_rel") + 1',
+        part = [
+            "split = flat % SPLITS",
+            "pid = flat // SPLITS",
+            *header,
+            "lo = split * BLOCK_N",
+            "start = lo",
+        ]
+        post = [*part, *self.chunk(red_args, "evict_last"), *reduce, *self.post_partials("split")]
+        post.append('tl.atomic_add(posted_ptr + pid, 1, sem="acq_rel")')
+        write = [
+            *part,
+            'seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
             "polls = tl.zeros_like(seen)",
             "while (seen < SPLITS) & (polls < spin):",
             '    seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
@@ -1511,9 +1545,19 @@ class _KernelWriter:
             "    for part in range(0, SPLITS):",
             "        start = part * BLOCK_N",
             *(f"        {line}" for line in [*self.chunk(red_args), *reduce, *self.post_partials("part")]),
+            *self.merged_stats(),
+            "start = lo",
+            *self.chunk([self.plan.result], "evict_first"),
+            *self.store("evict_first"),
         ]
-        output = ["start = lo", *self.chunk([self.plan.result], "evict_first"), *self.store()]
-        return lines + self.merged_stats() + output
+        return [
+            "flat = pid",
+            "if flat < n_rows * SPLITS:  # reduce part flat and post its states",
+            *(f"    {line}" for line in post),
+            "flat = flat - lag",
+            "if flat >= 0:  # write part flat once its row's parts have posted",
+            *(f"    {line}" for line in write),
+        ]
 
     def split_pass(self) -> list[str]:
         """Few long rows: each of SPLITS programs reduces one part of a row and stores its partial
@@ -1563,6 +1607,21 @@ SPLIT_HELPER = '''def _splits(n_rows, n_cols, block, device):
     return _pow2_at_most(min(target // n_rows, triton.cdiv(n_cols, block)), MAX_SPLITS)
 
 
+def _wait_lag(programs, parts, part_bytes, device):
+    """How many parts behind its own a waiting program writes: enough that the part's row was read
+    by programs started well before it (it rarely waits), few enough that the part is still in L2
+    (the parts read in between span WAIT_LAG % of it). At least a row's parts, so that a program
+    waits only for programs started before it; at most every part."""
+    if not WAIT_LAG:
+        return 0
+    lag = WAIT_LAG_PARTS
+    if lag is None:
+        lag = parts
+        if device.type == "cuda":
+            lag = int(WAIT_LAG / 100 * torch.cuda.get_device_properties(device).L2_cache_size) // part_bytes
+    return min(max(lag, parts), programs)
+
+
 '''
 
 
@@ -1582,7 +1641,7 @@ def generate_rowwise(analysis: TaskAnalysis, plan: RowPlan, params: dict[str, An
             *(f"in{i}_ptr" for i in range(n)),
             "out_ptr",
             *(["aux_ptr"] if has_aux else []),
-            *(["ws_ptr", "posted_ptr", "spin"] if split else []),
+            *(["ws_ptr", "posted_ptr", "spin", "lag"] if split else []),
         ]
     )
     dims = ", ".join(f"dim{d}" for d in range(1, MAX_LEAD))
@@ -1643,6 +1702,11 @@ def loss_reduce_kernel(loss_ptr, valid_ptr, out_ptr, n_rows, MEAN: tl.constexpr,
     empty = "" if has_aux else "\n    if out.numel() == 0:\n        return out"
     grouped = plan.groups is not None
     chunk = "_grouped_chunk(positions, modes)" if grouped else "CHUNK"  # the multi-pass block
+    column_bytes = (  # read per column of a row: what a waiting program reads again, from L2
+        "sum(v.element_size() for v, mode in zip(views, modes) if mode != 2)"
+        if grouped
+        else "sum(v.element_size() for v in views if v.shape[-1] > 1 and v.stride(-1) != 0)"
+    )
     per_column = (  # blocks that would gather per-channel weights read them as columns instead
         "    if any(modes) and positions < block and _per_column(views, strides, modes, shape, positions) and not single:\n"
         "        block = _grouped_chunk(positions, modes)  # for what is left to gather, if anything\n"
@@ -1793,24 +1857,25 @@ def _per_column(views, strides, modes, shape, positions):
     parts = triton.next_power_of_2(triton.cdiv(n_cols, WAIT_PART)) if WAIT_PART else 0
     if splits == 1:
         grid = (triton.cdiv(n_rows, rows_per_program),)
-        row_reduction_kernel[grid](*views, out, out, out, 0, *sizes, ROWS=rows_per_program, SPLITS=1, PHASE=0, num_warps=warps, **meta)
-    elif 1 < parts <= MAX_SPLITS:  # few long rows: a part per program, each in registers, one launch
+        row_reduction_kernel[grid](*views, out, out, out, 0, 0, *sizes, ROWS=rows_per_program, SPLITS=1, PHASE=0, num_warps=warps, **meta)
+    elif 1 < parts <= MAX_SPLITS:  # few long rows: a part per program, one launch, one read
         block = triton.next_power_of_2(triton.cdiv(n_cols, parts))
         meta = dict({", ".join(meta)})
         ws = torch.empty(({writer.n_partials()}, n_rows, parts), dtype=WS_DTYPE, device=device)
         posted = torch.zeros(n_rows, dtype=torch.int32, device=device)
         spin = SPIN_POLLS if device.type == "cuda" else 0  # the interpreter runs one program at a time
-        row_reduction_kernel[(n_rows * parts,)](*views, out, ws, posted, spin, *sizes, ROWS=1, SPLITS=parts, PHASE=3, num_warps=_pow2_at_most(block // 1024, 16), **meta)  # a warp per 1024 columns
+        lag = _wait_lag(n_rows * parts, parts, block * {column_bytes}, device)
+        row_reduction_kernel[(n_rows * parts + lag,)](*views, out, ws, posted, spin, lag, *sizes, ROWS=1, SPLITS=parts, PHASE=3, num_warps=_pow2_at_most(block // 1024, 16), **meta)  # a warp per 1024 columns
     else:  # few long rows: SPLITS programs per row, a stats launch then an output launch
         ws = torch.empty(({writer.n_partials()}, n_rows, splits), dtype=WS_DTYPE, device=device)
         warps = _pow2_at_most(NUM_WARPS * block // TILE, 16) if block > TILE else NUM_WARPS
 {gather_warps("1", "        ")}        for phase in (1, 2):
-            row_reduction_kernel[(n_rows * splits,)](*views, out, ws, out, 0, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
+            row_reduction_kernel[(n_rows * splits,)](*views, out, ws, out, 0, 0, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
         split_helper = SPLIT_HELPER
         split_doc = (
             "\nFew long rows are split over programs: a launch that stores each part's partial states, then one"
-            "\nthat merges them and writes each part; or (WAIT_PART) one launch whose programs keep their part"
-            "\nin registers and wait for the row's other parts' states."
+            "\nthat merges them and writes each part; or (WAIT_PART) one launch whose programs each reduce a"
+            "\npart, then write an earlier one (WAIT_LAG) once that part's row's states have all posted."
         )
         split_consts = f"""
 #: Few long rows are split over programs when a launch would have fewer than SPLIT_TARGET programs;
@@ -1818,9 +1883,13 @@ def _per_column(views, strides, modes, shape, positions):
 SPLIT_TARGET = None
 SPLIT_PER_SM = {p["SPLIT_PER_SM"]}
 MAX_SPLITS = {MAX_SPLITS}
-#: Split rows in parts of at most WAIT_PART columns (up to MAX_SPLITS of them), kept in registers by
-#: programs that wait for the row's statistics: one launch, one read (0: two launches, two reads).
+#: Split rows in parts of at most WAIT_PART columns (up to MAX_SPLITS of them), one per program, in
+#: one launch whose programs wait for the row's statistics: one read (0: two launches, two reads).
 WAIT_PART = {p["WAIT_PART"]}
+#: Program i writes part i - lag: lag parts read span WAIT_LAG % of the GPU's L2 (0: its own part);
+#: WAIT_LAG_PARTS, if set, is the lag (on the CPU: one row's parts).
+WAIT_LAG = {p["WAIT_LAG"]}
+WAIT_LAG_PARTS = None
 SPIN_POLLS = {SPIN_POLLS}
 WS_DTYPE = torch.{"float64" if plan.compute_dtype == "float64" else "float32"}"""
     else:
