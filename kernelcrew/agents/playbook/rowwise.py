@@ -992,7 +992,7 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
             # few long rows, split: first in one launch of waiting parts, read once from DRAM, each
             # program writing a part read WAIT_LAG % of L2 earlier, then writing its own part
             # (bench/results/waiting_rows.md, GroupNorm on the H100)
-            space[:0] = [{**space[0], "WAIT_PART": 8192, "WAIT_LAG": 28}, {**space[0], "WAIT_PART": 4096}]
+            space[:0] = [{**space[0], "WAIT_PART": 4096, "WAIT_LAG": 24}, {**space[0], "WAIT_PART": 4096}]
     return space
 
 
@@ -1504,38 +1504,42 @@ class _KernelWriter:
         return lines + self.emitter.section(self.per_row_steps(1))
 
     def waiting_pass(self, header: list[str]) -> list[str]:
-        """Few long rows in one launch (PHASE 3), each element read once from DRAM. Program ``i``
-        reduces part ``i`` (one BLOCK_N part of a row, its loads hinted ``evict_last``), stores its
-        partial states and counts itself in its row's ``posted``; then it writes part ``i - lag``:
-        it polls that part's row until all its parts have posted, merges their states and reads the
-        part again, from L2 (hinted ``evict_first``, as are its stores, which keeps the parts still
-        to be re-read in L2).
+        """Few long rows in one launch (PHASE 3), each element read once from DRAM. Program ``flat``
+        reduces part ``flat`` (one BLOCK_N part of a row, its loads hinted ``evict_last``), stores
+        its partial states and counts itself in its row's ``posted``; and it writes part
+        ``flat - lag``: it polls that part's row until all its parts have posted, merges their
+        states and reads the part again, from L2 (hinted ``evict_first``, as are its stores, which
+        keeps the parts still to be read again in L2).
 
-        With ``lag`` 0 a program writes its own part once the row's other parts, its neighbours,
-        have posted: every program waits for its row's slowest part with none of its loads in
-        flight. With a lag of at least a row's parts, each program writes a part whose row was read
-        by programs started long before it (``lag`` is sized to a share of L2: WAIT_LAG), so it
-        rarely waits, and it depends only on programs started before it (bench/results/
-        waiting_rows.md). Holding a part in registers across the wait instead doubled the registers
-        of a program and ran slower. After ``spin`` polls a program reduces every part of the row
-        itself (the same states: the same bits), so no order of execution deadlocks; the CPU
-        interpreter, which runs programs one at a time in order, passes 0."""
+        With ``lag`` 0 a program writes its own part, after reducing it, once the row's other
+        parts (its neighbours) have posted: every program waits for its row's slowest part with
+        none of its loads in flight. Lagged (``lag`` sized so that the parts read in between span
+        WAIT_LAG % of L2, and at least a row's parts), a program first writes a part whose row was
+        read by programs started well before it, then reduces its own: it rarely waits, and only
+        for programs started before it (bench/results/waiting_rows.md; writing after reducing ran
+        slower in a scratch prototype). Holding a part in registers across the wait instead
+        doubled a program's registers and ran slower. After ``spin`` polls a program reduces every
+        part of the row itself (the same states: the same bits), so no order of execution
+        deadlocks; the CPU interpreter, which runs programs one at a time in order, passes 0."""
         reductions = self.plan.reductions
         red_args = [s.args[0] for s in reductions]
         reduce = [line for s in reductions for line in self.reduce_init(s)]
         reduce += ["if start < n_cols:  # a row's last parts may be empty"]
         reduce += [f"    {line}" for s in reductions for line in self.reduce_update(s)]
-        part = [
-            "split = flat % SPLITS",
-            "pid = flat // SPLITS",
-            *header,
-            "lo = split * BLOCK_N",
-            "start = lo",
-        ]
-        post = [*part, *self.chunk(red_args, "evict_last"), *reduce, *self.post_partials("split")]
+
+        def part(flat: str) -> list[str]:
+            return [
+                f"split = {flat} % SPLITS",
+                f"pid = {flat} // SPLITS",
+                *header,
+                "lo = split * BLOCK_N",
+                "start = lo",
+            ]
+
+        post = [*part("flat"), *self.chunk(red_args, "evict_last"), *reduce, *self.post_partials("split")]
         post.append('tl.atomic_add(posted_ptr + pid, 1, sem="acq_rel")')
         write = [
-            *part,
+            *part("(flat - lag)"),
             'seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
             "polls = tl.zeros_like(seen)",
             "while (seen < SPLITS) & (polls < spin):",
@@ -1552,11 +1556,12 @@ class _KernelWriter:
         ]
         return [
             "flat = pid",
-            "if flat < n_rows * SPLITS:  # reduce part flat and post its states",
-            *(f"    {line}" for line in post),
-            "flat = flat - lag",
-            "if flat >= 0:  # write part flat once its row's parts have posted",
-            *(f"    {line}" for line in write),
+            "for step in tl.static_range(2):  # lagged: write, then reduce; else reduce, then write",
+            "    if (step == 0) == LAGGED:",
+            "        if flat >= lag:  # write part flat - lag once its row's parts have posted",
+            *(f"            {line}" for line in write),
+            "    elif flat < n_rows * SPLITS:  # reduce part flat and post its states",
+            *(f"        {line}" for line in post),
         ]
 
     def split_pass(self) -> list[str]:
@@ -1850,14 +1855,14 @@ def _per_column(views, strides, modes, shape, positions):
         ),
     ]
     if split:
-        split_args = "\n    SPLITS: tl.constexpr,\n    PHASE: tl.constexpr,"
+        split_args = "\n    SPLITS: tl.constexpr,\n    PHASE: tl.constexpr,\n    LAGGED: tl.constexpr,"
         launch = f"""    sizes = ({sizes})
     meta = dict({", ".join(meta)})
     splits = 1 if single else _splits(n_rows, n_cols, block, device)
     parts = triton.next_power_of_2(triton.cdiv(n_cols, WAIT_PART)) if WAIT_PART else 0
     if splits == 1:
         grid = (triton.cdiv(n_rows, rows_per_program),)
-        row_reduction_kernel[grid](*views, out, out, out, 0, 0, *sizes, ROWS=rows_per_program, SPLITS=1, PHASE=0, num_warps=warps, **meta)
+        row_reduction_kernel[grid](*views, out, out, out, 0, 0, *sizes, ROWS=rows_per_program, SPLITS=1, PHASE=0, LAGGED=False, num_warps=warps, **meta)
     elif 1 < parts <= MAX_SPLITS:  # few long rows: a part per program, one launch, one read
         block = triton.next_power_of_2(triton.cdiv(n_cols, parts))
         meta = dict({", ".join(meta)})
@@ -1865,12 +1870,12 @@ def _per_column(views, strides, modes, shape, positions):
         posted = torch.zeros(n_rows, dtype=torch.int32, device=device)
         spin = SPIN_POLLS if device.type == "cuda" else 0  # the interpreter runs one program at a time
         lag = _wait_lag(n_rows * parts, parts, block * {column_bytes}, device)
-        row_reduction_kernel[(n_rows * parts + lag,)](*views, out, ws, posted, spin, lag, *sizes, ROWS=1, SPLITS=parts, PHASE=3, num_warps=_pow2_at_most(block // 1024, 16), **meta)  # a warp per 1024 columns
+        row_reduction_kernel[(n_rows * parts + lag,)](*views, out, ws, posted, spin, lag, *sizes, ROWS=1, SPLITS=parts, PHASE=3, LAGGED=lag > 0, num_warps=_pow2_at_most(block // 1024, 16), **meta)  # a warp per 1024 columns
     else:  # few long rows: SPLITS programs per row, a stats launch then an output launch
         ws = torch.empty(({writer.n_partials()}, n_rows, splits), dtype=WS_DTYPE, device=device)
         warps = _pow2_at_most(NUM_WARPS * block // TILE, 16) if block > TILE else NUM_WARPS
 {gather_warps("1", "        ")}        for phase in (1, 2):
-            row_reduction_kernel[(n_rows * splits,)](*views, out, ws, out, 0, 0, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, num_warps=warps, **meta)"""
+            row_reduction_kernel[(n_rows * splits,)](*views, out, ws, out, 0, 0, *sizes, ROWS=1, SPLITS=splits, PHASE=phase, LAGGED=False, num_warps=warps, **meta)"""
         split_helper = SPLIT_HELPER
         split_doc = (
             "\nFew long rows are split over programs: a launch that stores each part's partial states, then one"
