@@ -59,16 +59,20 @@ rows are, GroupNorm's best configuration ran 0.1602 ms against 0.1539 (``long_ro
 Those two launches read each element twice from DRAM, which caps them near two thirds of the DRAM
 floor. A third way reads it once (``WAIT_PART``; the tuning space tries it first when the example
 has few long rows): one launch, a row in up to ``MAX_SPLITS`` parts of at most ``WAIT_PART``
-columns, one per program, which reduces its part, stores its partial states, counts itself in a
-per-row counter and polls it until the row's other parts have, then reads its part again, from L2,
-to write it. A row's programs are neighbours, which a GPU starts together, in order; a program that
-has polled ``SPIN_POLLS`` times reduces every part itself (the same states in the same order: the
-same bits), so no schedule deadlocks, and the CPU interpreter, which runs one program at a time,
-takes that path. On the H100 (``bench/results/waiting_rows.md``) GroupNorm's rows ran in 0.139 ms
-(1.93 TB/s) against 0.155 ms in two launches and 0.185 ms for ``torch.compile``. That is still 66 %
-of the calibrated copy bandwidth (2.94 TB/s, ``suite_h100.json``): every program waits once for
-its row's slowest part, with nothing in flight. Parts of 8192 and 16384 columns ran slower (128 and
-120 registers: fewer programs resident).
+columns, one per program, which reduces its part, stores its partial states and counts itself in a
+per-row counter; and writes a part, reading it again from L2, once that part's row has been
+counted whole. With ``WAIT_LAG`` 0 that is its own part, after the row's other parts (its
+neighbours, which a GPU starts together) have posted: every program waits for its row's slowest
+part with nothing in flight. With ``WAIT_LAG`` (tried first) program i first writes part i - lag,
+the lag sized so that the parts read in between span that share of L2 (and at least a row's
+parts): its row was read by programs started well before, so it rarely waits, and only for
+programs started before it. A program that has polled ``SPIN_POLLS`` times reduces every part of
+the row itself (the same states in the same order: the same bits), so no schedule deadlocks; the
+CPU interpreter runs one program at a time, in order. On the H100 (``bench/results/
+waiting_rows.md``) GroupNorm's rows ran in 0.122 ms lagged (24 % of L2) against 0.143 ms unlagged,
+0.155 ms in two launches and 0.184 ms for ``torch.compile``: 76 % of the calibrated copy bandwidth
+(``suite_h100.md``, where L2 is at 91 % of its peak). Parts of 8192 columns ran slower (108-110
+registers: fewer programs resident).
 
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
 per element and per row (a scalar weight used on both sides of a reduction) is refused.
