@@ -994,8 +994,9 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
         space.append({**space[0], "SPLIT_PER_SM": 0})
         if row_count(plan) <= FEW_ROWS and row_length(plan) > max(c[0] for c in configs):
             # few long rows, split: first in one launch of waiting parts, read once from DRAM, each
-            # program writing a part read WAIT_LAG % of L2 earlier, then writing its own part
-            # (bench/results/waiting_rows.md, GroupNorm on the H100)
+            # program writing a part read 24 % of L2 earlier, then one where each writes its own
+            # (bench/results/waiting_rows.md, GroupNorm on the H100: 0.122 and 0.143 ms, 0.155 in
+            # two launches; parts of 8192 columns ran slower, at 108-110 registers)
             space[:0] = [{**space[0], "WAIT_PART": 4096, "WAIT_LAG": 24}, {**space[0], "WAIT_PART": 4096}]
     return space
 
@@ -1627,7 +1628,8 @@ def _wait_lag(programs, parts, part_bytes, device):
     if lag is None:
         lag = parts
         if device.type == "cuda":
-            lag = int(WAIT_LAG / 100 * torch.cuda.get_device_properties(device).L2_cache_size) // part_bytes
+            l2 = torch.cuda.get_device_properties(device).L2_cache_size
+            lag = int(WAIT_LAG / 100 * l2) // max(1, part_bytes)
     return min(max(lag, parts), programs)
 
 
@@ -1884,7 +1886,7 @@ def _per_column(views, strides, modes, shape, positions):
         split_doc = (
             "\nFew long rows are split over programs: a launch that stores each part's partial states, then one"
             "\nthat merges them and writes each part; or (WAIT_PART) one launch whose programs each reduce a"
-            "\npart, then write an earlier one (WAIT_LAG) once that part's row's states have all posted."
+            "\npart and write one (an earlier one, first, with WAIT_LAG) once its row's states have posted."
         )
         split_consts = f"""
 #: Few long rows are split over programs when a launch would have fewer than SPLIT_TARGET programs;
