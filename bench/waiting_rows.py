@@ -69,7 +69,8 @@ def kernel_registers(module) -> list[dict]:
 
 
 def wait_configs(gen, plan) -> dict[str, dict]:
-    """The two-launch configuration and the waiting one at each part size."""
+    """The two-launch configuration and the waiting one at each part size (and lag, where the
+    generator has one)."""
     # the first configuration without waiting parts (the generator of 39f5e3e tried them second)
     base = next(c for c in gen.tuning_space(plan, "sm_90") if "WAIT_PART" not in c)
     configs = {"two_launch": base, **{f"wait_{p}": {**base, "WAIT_PART": p} for p in WAIT_PARTS}}
