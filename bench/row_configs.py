@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from waiting_rows import main_for  # noqa: E402
+from waiting_rows import candidates_markdown, main_for  # noqa: E402
 
 TASKS = [ROOT / f"bench/kb/groupnorm_silu_{name}_bf16.py" for name in ("unet", "narrow", "deep")]
 
@@ -36,41 +36,16 @@ def every_config(gen, plan) -> dict[str, dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [
-        "# Row tasks: every tuning configuration, with its kernel's registers",
-        "",
-        f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
-        f"Triton {result['versions']['triton']}; commit {result['commit']}"
-        + (f", against `{result['old']}`" if result.get("old") else "")
-        + ". `python bench/row_configs.py`, timed by the crew's protocol (`kernelcrew.tools.timing.measure`: "
-        "every candidate of a task interleaved, L2 flushed before each call, CUDA events; ms is the median "
-        "[p10-p90]). `order` is the place the planner tries the configuration in. TB/s counts each input "
-        "read once and the output written once (the DRAM floor's traffic). Registers per thread and "
-        "spills are Triton's, per compiled kernel.",
-        "",
-    ]
-    for row in result["rows"]:
-        gb = row["bytes"] / 1e9
-        compile_ms = row["compile"]["median_ms"]
-        lines += [
-            f"## {row['task']} ({row['bytes'] / 1e6:.0f} MB moved at least)",
-            "",
-            f"eager {row['eager']['median_ms']:.4f} ms, torch.compile {compile_ms:.4f} ms ({gb / compile_ms:.2f} TB/s)",
-            "",
-            "| generator | order | configuration | ms [p10-p90] | TB/s | vs compile | registers (spills) | warps | rel. error |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for key, c in row["candidates"].items():
-            label, order = key.split("/", 1)
-            regs = ", ".join(f"{k['regs']} ({k['spills']})" for k in c["kernels"])
-            warps = ", ".join(str(k["num_warps"]) for k in c["kernels"])
-            lines.append(
-                f"| {label} | {order} | {config_label(c['params'])} | "
-                f"{c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}] | {gb / c['median_ms']:.2f} | "
-                f"{compile_ms / c['median_ms']:.2f}x | {regs} | {warps} | {c['rel_error']:.1e} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
+    return candidates_markdown(
+        result,
+        "Row tasks: every tuning configuration, with its kernel's registers",
+        "row_configs.py",
+        "`order` is the place the planner tries the configuration in. TB/s counts each input read once "
+        "and the output written once (the DRAM floor's traffic). Registers per thread and spills are "
+        "Triton's, per compiled kernel.",
+        ["order", "configuration"],
+        lambda order, c: [order, config_label(c["params"])],
+    )
 
 
 def main() -> None:

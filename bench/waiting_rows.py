@@ -121,20 +121,23 @@ def time_generated(path: Path, gens: dict[str, object], configs_of, prefix: str)
     return row
 
 
-def markdown(result: dict) -> str:
+def candidates_markdown(result: dict, title: str, script: str, note: str, columns: list[str], cells) -> str:
+    """The tables of a script that times generated row candidates: one per task, a row per
+    candidate, named by ``columns`` whose values ``cells(name, candidate)`` gives. ``note`` ends
+    the header's sentence on registers."""
     lines = [
-        "# Few long rows: one launch of waiting parts against two launches",
+        f"# {title}",
         "",
         f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
         f"Triton {result['versions']['triton']}; commit {result['commit']}"
         + (f", against `{result['old']}`" if result.get("old") else "")
-        + ". `python bench/waiting_rows.py`, timed by the crew's protocol (`kernelcrew.tools.timing.measure`: "
+        + f". `python bench/{script}`, timed by the crew's protocol (`kernelcrew.tools.timing.measure`: "
         "every candidate of a task interleaved, L2 flushed before each call, CUDA events; ms is the median "
-        "[p10-p90]). TB/s counts each input read once and the output written once (the DRAM floor's "
-        "traffic). Registers per thread and spills are Triton's, per compiled kernel (a two-launch "
-        "candidate has two).",
+        f"[p10-p90]). {note}",
         "",
     ]
+    header = ["generator", *columns, "ms [p10-p90]", "TB/s", "vs compile", "registers (spills)", "warps"]
+    header.append("rel. error")
     for row in result["rows"]:
         gb = row["bytes"] / 1e9
         compile_ms = row["compile"]["median_ms"]
@@ -143,20 +146,38 @@ def markdown(result: dict) -> str:
             "",
             f"eager {row['eager']['median_ms']:.4f} ms, torch.compile {compile_ms:.4f} ms ({gb / compile_ms:.2f} TB/s)",
             "",
-            "| generator | candidate | ms [p10-p90] | TB/s | vs compile | registers (spills) | warps | rel. error |",
-            "|---|---|---|---|---|---|---|---|",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
         ]
         for key, c in row["candidates"].items():
             label, name = key.split("/", 1)
             regs = ", ".join(f"{k['regs']} ({k['spills']})" for k in c["kernels"])
             warps = ", ".join(str(k["num_warps"]) for k in c["kernels"])
-            lines.append(
-                f"| {label} | {name} | {c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}] | "
-                f"{gb / c['median_ms']:.2f} | {compile_ms / c['median_ms']:.2f}x | {regs} | {warps} | "
-                f"{c['rel_error']:.1e} |"
-            )
+            values = [
+                label,
+                *cells(name, c),
+                f"{c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}]",
+                f"{gb / c['median_ms']:.2f}",
+                f"{compile_ms / c['median_ms']:.2f}x",
+                regs,
+                warps,
+                f"{c['rel_error']:.1e}",
+            ]
+            lines.append("| " + " | ".join(values) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    return candidates_markdown(
+        result,
+        "Few long rows: one launch of waiting parts against two launches",
+        "waiting_rows.py",
+        "TB/s counts each input read once and the output written once (the DRAM floor's traffic). "
+        "Registers per thread and spills are Triton's, per compiled kernel (a two-launch candidate has two).",
+        ["candidate"],
+        lambda name, c: [name],
+    )
 
 
 def main_for(name: str, tasks: list[Path], configs_of, markdown) -> None:
