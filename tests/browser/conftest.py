@@ -1,7 +1,7 @@
 """Chromium (Debian's, driven by Playwright) against the real service of the integration tests.
 
 The service is ``tests/integration/test_service.py``'s fixture (PostgreSQL, Redis, ``kernelcrew
-serve``, an orchestrator, a cpu worker), reused rather than copied. Without Chromium or Playwright
+serve``, an orchestrator, a cpu worker), reused rather than copied, on a Redis database of its own. Without Chromium or Playwright
 the browser tests skip on a laptop and fail under CI (``CI=true``), where ``.ci/run`` installs them.
 """
 
@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_service import service  # noqa: F401  (the fixture, shared)
+from tests.integration.test_service import BROWSER_REDIS_URL, service_fixture
+
+service = service_fixture(BROWSER_REDIS_URL)  # the integration tests' service, on its own database
 
 CHROMIUM = Path(os.environ.get("KERNELCREW_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [

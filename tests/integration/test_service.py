@@ -35,6 +35,9 @@ from tests.integration.test_worker import alive, descendants, wait_for
 from tests.unit.test_knowledge_base import Postgres
 
 REDIS_URL = os.environ.get("KERNELCREW_TEST_SERVICE_REDIS_URL", "redis://127.0.0.1:6379/10")
+#: The browser tests' service: its own database, since pytest-xdist (``--dist loadfile``) may run
+#: them beside this file, and each service flushes its database when it starts and stops.
+BROWSER_REDIS_URL = os.environ.get("KERNELCREW_TEST_BROWSER_REDIS_URL", "redis://127.0.0.1:6379/12")
 TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()
 CANDIDATE = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()
 FAST = {"device": "cpu", "compile_modes": "none", "quick": True, "seed": 7}
@@ -163,33 +166,48 @@ def running_service(
         r.close()
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory) -> Iterator[Service]:
-    r = redis.Redis.from_url(REDIS_URL)
-    try:
-        r.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"the service tests need Redis at {REDIS_URL}: {exc}")
-    r.flushdb()
-    pg = Postgres()
-    db_url = pg.create()
-    try:
-        with running_service(db_url, REDIS_URL, tmp_path_factory.mktemp("service")) as svc:
-            # alice's token through the CLI (printed alone on its last line)
-            out = subprocess.run(
-                [sys.executable, "-m", "kernelcrew", "token", "create", "--user", "alice"],
-                env=svc.env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=True,
-            )
-            svc.tokens["alice"] = out.stdout.strip().splitlines()[-1]
-            yield svc
-    finally:
-        pg.drop(db_url)
-        pg.admin.close()
+def service_fixture(redis_url: str):
+    """A module-scoped ``service`` fixture: the running service (PostgreSQL, ``kernelcrew serve``,
+    an orchestrator, a cpu worker) on the Redis database ``redis_url``, flushed before and after."""
+
+    @pytest.fixture(scope="module")
+    def service(tmp_path_factory) -> Iterator[Service]:
+        r = redis.Redis.from_url(redis_url)
+        try:
+            r.ping()
+        except redis.RedisError as exc:
+            pytest.fail(f"the service tests need Redis at {redis_url}: {exc}")
         r.flushdb()
+        pg = Postgres()
+        db_url = pg.create()
+        try:
+            with running_service(db_url, redis_url, tmp_path_factory.mktemp("service")) as svc:
+                # alice's token through the CLI (printed alone on its last line)
+                out = subprocess.run(
+                    [sys.executable, "-m", "kernelcrew", "token", "create", "--user", "alice"],
+                    env=svc.env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    check=True,
+                )
+                svc.tokens["alice"] = out.stdout.strip().splitlines()[-1]
+                yield svc
+        finally:
+            pg.drop(db_url)
+            pg.admin.close()
+            r.flushdb()
+
+    return service
+
+
+service = service_fixture(REDIS_URL)
+
+
+def test_the_browser_tests_service_has_its_own_redis_database():
+    """The browser tests once shared this file's Redis database: when both files ran at once, one
+    service's flush took the other's worker off the inventory (the workers page showed none)."""
+    assert redis.connection.parse_url(BROWSER_REDIS_URL) != redis.connection.parse_url(REDIS_URL)
 
 
 def unverified_wins(engine: Any) -> list[str]:
