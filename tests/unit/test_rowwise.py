@@ -642,7 +642,9 @@ def test_waiting_parts_read_the_row_once():
     policy = r'eviction_policy="(\w+)"'
     assert [re.search(policy, x)[1] for x in re.findall(x_load, post)] == ["evict_last"]
     assert not re.findall(x_load, waiting)
-    assert "if seen < SPLITS:" in fallback and "for part in range(0, SPLITS):" in fallback
+    # the fallback reduces the whole row in chunks of an eighth of a part, and posts nothing
+    assert "if seen < SPLITS:" in fallback and "for start in range(0, n_cols, (BLOCK_N // 8)):" in fallback
+    assert "tl.store(" not in fallback and "tl.atomic" not in fallback.split("if seen < SPLITS:")[1]
     assert [re.search(policy, x)[1] for x in re.findall(x_load, output)] == ["evict_first"]
     stores = re.findall(r"tl\.store\(out_ptr[^\n]*", output)
     assert stores and all(re.search(policy, x)[1] == "evict_first" for x in stores)
@@ -667,7 +669,7 @@ def test_lagged_programs_only_wait_for_programs_started_before_them(name, interp
     a, plan = plan_of(source)
     candidate = generate_rowwise(a, plan, {**SMALL_WAIT, "WAIT_LAG": 30})
     candidate = candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64")
-    fallback = "if seen < SPLITS:  # not all posted after spin polls: reduce every part here"
+    fallback = "if seen < SPLITS:  # not all posted after spin polls: reduce the whole row here"
     assert candidate.count(fallback) == 1
     indent = re.search(rf"^( *){re.escape(fallback)}", candidate, flags=re.M).group(1)
     # the interpreter runs a kernel as Python: a raise in the fallback raises when it is taken
@@ -682,6 +684,30 @@ def test_lagged_programs_only_wait_for_programs_started_before_them(name, interp
     unlagged = candidate.replace("WAIT_LAG = 30", "WAIT_LAG = 0")
     with pytest.raises(Exception, match="a row not posted"):
         interpreter.submit(compare_in_interpreter, source, unlagged, sets(torch), 1e-4).result()
+
+
+@pytest.mark.parametrize("name", ["group_norm_embedding_residual", "softmax_masked_fill"])
+def test_kernels_take_64_bit_offsets_where_an_operand_reaches_2_31(name, interpreter, tmp_path):
+    """Offsets are 32-bit unless an operand's or the output's reach 2**31 elements (OFF64): the
+    64-bit branch, forced here on small inputs, computes the same rows, split or not."""
+    import torch
+
+    forward, inputs, init, args, sets = PATTERNS[name]
+    source = task_source(forward, inputs, init, args)
+    a, plan = plan_of(source)
+    candidate = generate_rowwise(a, plan, SMALL_WAIT).replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64")
+    module = load_candidate(candidate, tmp_path / "off64_candidate.py")
+    meta = {"device": "meta"}
+    assert not module._off64([torch.empty(4, 8), torch.empty(3, 1, **meta).expand(3, 2**31)])
+    assert not module._off64([torch.empty(2**31, dtype=torch.int8, **meta)])  # 2**31 - 1 at most
+    assert module._off64([torch.empty(2**31 + 1, dtype=torch.int8, **meta)])
+    assert not module._off64([torch.empty_strided((2, 2), (2**30, 1), **meta)])  # 2**30 + 1 at most
+    assert module._off64([torch.empty_strided((3, 2), (2**30, 1), **meta)])
+    forced = "    off64 = _off64([*views, out])"
+    assert candidate.count(forced) == 1
+    torch.manual_seed(2)
+    wide = candidate.replace(forced, "    off64 = True")
+    interpreter.submit(compare_in_interpreter, source, wide, sets(torch), 1e-4).result()
 
 
 def test_how_far_behind_a_waiting_program_writes(tmp_path):

@@ -81,6 +81,7 @@ per element and per row (a scalar weight used on both sides of a reduction) is r
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1102,12 +1103,12 @@ class _KernelWriter:
             if s.op not in REDUCTIONS and not self.is_row(s) and plan.stages[f"t:{s.out}"] == level
         ]
 
-    def chunk(self, values: list[tuple[str, Any]], evict: str = "") -> list[str]:
-        """The body of a column loop over ``start`` up to ``values``: the chunk's columns, its loads
-        (with L2 eviction hint ``evict``) and the per-element steps that lead to them."""
+    def chunk(self, values: list[tuple[str, Any]], evict: str = "", block: str = "BLOCK_N") -> list[str]:
+        """The body of a column loop over ``start`` up to ``values``: the chunk's ``block`` columns,
+        its loads (with L2 eviction hint ``evict``) and the per-element steps that lead to them."""
         operands, steps = self.row_closure(values)
         return (
-            self.chunk_header("start")
+            self.chunk_header("start", block)
             + [line for i in operands for line in self.load_row(i, evict)]
             + self.emitter.section(steps)
         )
@@ -1133,8 +1134,11 @@ class _KernelWriter:
             f"    v{i} = tl.load({flat}, mask=mask, other=0{hint}){convert}",
             f"elif MODE{i} == 2 and WIDE_POSITIONS:",
             f"    v{i}_a = tl.load({first}, mask=rmask[:, None], other=0)",
-            f"    v{i}_b = tl.load({second}, mask=rmask[:, None], other=0)",
-            f"    v{i} = tl.where(ch[None, :] == ch0, v{i}_a, v{i}_b){convert}",
+            "    if ONE_CHANNEL:",
+            f"        v{i} = v{i}_a{convert}",
+            "    else:",
+            f"        v{i}_b = tl.load({second}, mask=rmask[:, None], other=0)",
+            f"        v{i} = tl.where(ch[None, :] == ch0, v{i}_a, v{i}_b){convert}",
             "else:",
             f"    v{i} = tl.load({split}, mask=mask, other=0{hint}){convert}",
         ]
@@ -1191,13 +1195,13 @@ class _KernelWriter:
             f"{o}_valid = tl.where({r}_ok, 1.0, 0.0)",
         ]
 
-    def reduce_init(self, s: Step) -> list[str]:
+    def reduce_init(self, s: Step, block: str = "BLOCK_N") -> list[str]:
         r, acc = f"r_{s.out}", self.acc
         if s.op in ("rsum", "rmean"):
-            return [f"{r} = tl.zeros([ROWS, BLOCK_N], {acc})"]
+            return [f"{r} = tl.zeros([ROWS, {block}], {acc})"]
         if s.op in ("rmax", "rmin"):
             fill = 'float("-inf")' if s.op == "rmax" else 'float("inf")'
-            return [f"{r} = tl.full([ROWS, BLOCK_N], {fill}, {acc})"]
+            return [f"{r} = tl.full([ROWS, {block}], {fill}, {acc})"]
         if s.op in ("rlse", "rce"):
             lines = [
                 f'{r}_m = tl.full([ROWS, 1], float("-inf"), {acc})',
@@ -1224,7 +1228,7 @@ class _KernelWriter:
         lines += self.emitter.section(steps)
         return [*lines, f"{r}_p = tl.where({r}_tmask, {self.emitter.ref(s.args[0])}, 0.0)"]
 
-    def reduce_update(self, s: Step) -> list[str]:
+    def reduce_update(self, s: Step, block: str = "BLOCK_N") -> list[str]:
         x = self.emitter.ref(s.args[0])
         r = f"r_{s.out}"
         if s.op in ("rsum", "rmean"):
@@ -1241,8 +1245,8 @@ class _KernelWriter:
             ]
             return lines
         if s.op == "rmoments":  # Chan et al.: merge this chunk's count, mean and M2 into the running ones
-            return [
-                f"{r}_cn = tl.sum(cmask.to({self.acc}), axis=0)",
+            return [  # the chunk's columns: cols < n_cols of start + arange(block), and start < n_cols
+                f"{r}_cn = tl.minimum(n_cols - start, {block}).to({self.acc})",
                 f"{r}_cmean = tl.sum(tl.where(mask, {x}, 0.0), axis=1)[:, None] / {r}_cn",
                 f"{r}_d = tl.where(mask, {x} - {r}_cmean, 0.0)",
                 f"{r}_tot = {r}_n + {r}_cn",
@@ -1365,25 +1369,29 @@ class _KernelWriter:
         return [
             "pid = tl.program_id(0)",
             "if PHASE == 3:  # SPLITS programs per row in one launch, each part read once from DRAM",
-            *(f"    {line}" for line in self.waiting_pass(header)),
+            *(f"    {line}" for line in self.waiting_pass(self.row_header(every_row=True))),
             "else:",
             *(f"    {line}" for line in others),
         ]
 
-    def row_header(self) -> list[str]:
+    def row_header(self, every_row: bool = False) -> list[str]:
         """Program ``pid``'s rows, each operand's offset of each, its per-row operands and their
-        per-row math (stage 0)."""
+        per-row math (stage 0). Offsets in 64 bits only where an operand's reach 2**31 (OFF64).
+        ``every_row``: the launch has no program past the last row (no row mask)."""
         plan = self.plan
         n = len(plan.operands)
         lines = [
             "rows32 = pid * ROWS + tl.arange(0, ROWS)  # n_rows < 2**31: 32-bit row coordinates",
-            "rows = rows32.to(tl.int64)",
-            "rmask = rows < n_rows",
+            "if OFF64:",
+            "    rows = rows32.to(tl.int64)",
+            "else:",
+            "    rows = rows32",
+            "rmask = tl.full([ROWS], 1, tl.int1)" if every_row else "rmask = rows < n_rows",
         ]
         if plan.groups is not None:
             lines += [
                 "# row = (sample, group): dim1 groups of dim2 channels of dim3 positions",
-                "n_idx = (rows32 // dim1).to(tl.int64)",
+                "n_idx = (rows32 // dim1).to(rows.dtype)",
                 "g_idx = rows - n_idx * dim1",
                 *(f"off{i} = n_idx * in{i}_s0 + g_idx * dim2 * in{i}_s1" for i in range(n)),
             ]
@@ -1407,17 +1415,22 @@ class _KernelWriter:
             "    rem = rows32",
         ]
         for d in range(MAX_LEAD - 1, 0, -1):
-            lines += [f"    c{d} = (rem % dim{d}).to(tl.int64)", f"    rem = rem // dim{d}"]
-        lines.append("    c0 = rem.to(tl.int64)")
+            lines += [f"    c{d} = (rem % dim{d}).to(rows.dtype)", f"    rem = rem // dim{d}"]
+        lines.append("    c0 = rem.to(rows.dtype)")
         lines += [
             f"    off{i} = " + " + ".join(f"c{d} * in{i}_s{d}" for d in range(MAX_LEAD)) for i in range(n)
         ]
         return lines
 
-    def chunk_header(self, start: str) -> list[str]:
+    def chunk_header(self, start: str, block: str = "BLOCK_N") -> list[str]:
+        """A chunk's ``block`` columns from ``start`` on and its masks (``block`` divides BLOCK_N).
+        EVEN_COLS: every chunk is whole, and the column mask a constant Triton drops."""
         lines = [
-            f"cols = {start} + tl.arange(0, BLOCK_N)",
-            "cmask = cols < n_cols",
+            f"cols = {start} + tl.arange(0, {block})",
+            "if EVEN_COLS:",
+            f"    cmask = tl.full([{block}], 1, tl.int1)",
+            "else:",
+            "    cmask = cols < n_cols",
             "mask = rmask[:, None] & cmask[None, :]",
         ]
         if self.plan.groups is not None:  # channel and position of each column (dim3: positions)
@@ -1425,7 +1438,10 @@ class _KernelWriter:
                 "if HAS_SPLIT:",
                 "    if WIDE_POSITIONS:  # a block spans at most two channels: a compare, not a division",
                 f"        ch0 = ({start or '0'}) // dim3",
-                "        ch = ch0 + (cols >= (ch0 + 1) * dim3).to(tl.int32)",
+                "        if ONE_CHANNEL:  # blocks never straddle two: one channel",
+                "            ch = ch0 + tl.zeros_like(cols)",
+                "        else:",
+                "            ch = ch0 + (cols >= (ch0 + 1) * dim3).to(tl.int32)",
                 "    else:",
                 "        ch = cols // dim3",
                 "    sp = cols - ch * dim3",
@@ -1502,11 +1518,34 @@ class _KernelWriter:
         all, and the waiting launch ran 2.5x slower than the two launches (bench/results/
         waiting_rows.md). One-dimensional, they spread over the threads; scalars also broadcast
         for free where [1, 1] tensors went through shared memory (bench/results/split_rows_ncu)."""
+        return self.merged_reductions() + self.emitter.section(self.per_row_steps(1))
+
+    def merged_reductions(self) -> list[str]:
+        """Each reduction's ``finals`` from the SPLITS parts' states (see ``merged_stats``)."""
         lines, slot = ["parts = tl.arange(0, SPLITS)", "row = tl.sum(rows)  # the one row, a scalar"], 0
         for s in self.plan.reductions:
             lines += self.merge(s, slot)
             slot += len(self.partials(s))
-        return lines + self.emitter.section(self.per_row_steps(1))
+        return lines
+
+    def row_reductions(self, block: str) -> list[str]:
+        """Each reduction's ``finals`` as scalars, reduced by this program over the whole row in
+        chunks of ``block`` columns (ROWS is 1): the merge's values, rounded otherwise."""
+        reductions = self.plan.reductions
+        lines = [line for s in reductions for line in self.reduce_init(s, block)]
+        inner = self.chunk([s.args[0] for s in reductions], block=block)
+        inner += [line for s in reductions for line in self.reduce_update(s, block)]
+        lines += ["for start in range(0, n_cols, " + block + "):", *(f"    {line}" for line in inner)]
+        lines += [line for s in reductions for line in self.reduce_final(s)]
+        # its states renamed: Triton wants a name both branches of an if assign to keep its type
+        lines = [re.sub(r"\br_(?=\w)", "rr_", line) for line in lines]
+        return lines + [f"{name} = tl.sum({name})" for s in reductions for name in self.finals(s)]
+
+    @staticmethod
+    def finals(s: Step) -> list[str]:
+        """The names ``reduce_final`` and ``merge`` give reduction ``s``'s result."""
+        o = f"t_{s.out}"
+        return {"rlse": [f"{o}_m", f"{o}_s"], "rmoments": [f"{o}_mean", f"{o}_var"]}.get(s.op, [o])
 
     def waiting_pass(self, header: list[str]) -> list[str]:
         """Few long rows in one launch (PHASE 3), each element read once from DRAM. Program ``flat``
@@ -1523,9 +1562,13 @@ class _KernelWriter:
         read by programs started well before it, then reduces its own: it rarely waits, and only
         for programs started before it (bench/results/waiting_rows.md; writing after reducing ran
         slower in a scratch prototype). Holding a part in registers across the wait instead
-        doubled a program's registers and ran slower. After ``spin`` polls a program reduces every
-        part of the row itself (the same states: the same bits), so no order of execution
-        deadlocks; the CPU interpreter, which runs programs one at a time in order, passes 0."""
+        doubled a program's registers and ran slower.
+
+        After ``spin`` polls a program reduces the whole row itself, in chunks of an eighth of a
+        part, so no order of execution deadlocks; the CPU interpreter, which runs programs one at
+        a time in order, passes 0. It keeps those statistics to itself: in chunks of a whole part,
+        as an earlier fallback reduced, this never-taken branch held 80 registers a thread
+        against 48 (bench/results/waiting_rows.md, parts of 8192 columns)."""
         reductions = self.plan.reductions
         red_args = [s.args[0] for s in reductions]
         reduce = [line for s in reductions for line in self.reduce_init(s)]
@@ -1550,11 +1593,11 @@ class _KernelWriter:
             "while (seen < SPLITS) & (polls < spin):",
             '    seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
             "    polls += 1",
-            "if seen < SPLITS:  # not all posted after spin polls: reduce every part here",
-            "    for part in range(0, SPLITS):",
-            "        start = part * BLOCK_N",
-            *(f"        {line}" for line in [*self.chunk(red_args), *reduce, *self.post_partials("part")]),
-            *self.merged_stats(),
+            "if seen < SPLITS:  # not all posted after spin polls: reduce the whole row here",
+            *(f"    {line}" for line in self.row_reductions("(BLOCK_N // 8)")),
+            "else:",
+            *(f"    {line}" for line in self.merged_reductions()),
+            *self.emitter.section(self.per_row_steps(1)),
             "start = lo",
             *self.chunk([self.plan.result], "evict_first"),
             *self.store("evict_first"),
@@ -1816,7 +1859,7 @@ def _per_column(views, strides, modes, shape, positions):
 '''
         mode_args = (
             "".join(f"\n    MODE{i}: tl.constexpr," for i in range(n))
-            + "\n    HAS_SPLIT: tl.constexpr,\n    WIDE_POSITIONS: tl.constexpr,"
+            + "\n    HAS_SPLIT: tl.constexpr,\n    WIDE_POSITIONS: tl.constexpr,\n    ONE_CHANNEL: tl.constexpr,"
         )
     else:
         layout_block = f"""    row_shape = tuple(torch.broadcast_shapes({shapes}))
@@ -1853,9 +1896,15 @@ def _per_column(views, strides, modes, shape, positions):
         "BLOCK_N=block",
         "SINGLE_PASS=single",
         "FLAT_ROWS=flat",
+        "EVEN_COLS=n_cols % block == 0",
+        "OFF64=off64",
         *(
             [f"MODE{i}=modes[{i}]" for i in range(n)]
-            + ["HAS_SPLIT=any(modes)", "WIDE_POSITIONS=positions >= block"]
+            + [
+                "HAS_SPLIT=any(modes)",
+                "WIDE_POSITIONS=positions >= block",
+                "ONE_CHANNEL=positions % block == 0",
+            ]
             if grouped
             else []
         ),
@@ -1872,6 +1921,7 @@ def _per_column(views, strides, modes, shape, positions):
     elif 1 < parts <= MAX_SPLITS:  # few long rows: a part per program, one launch, one read
         block = triton.next_power_of_2(triton.cdiv(n_cols, parts))
         meta = dict({", ".join(meta)})
+        meta["EVEN_COLS"] = parts * block == n_cols  # and no part empty
         ws = torch.empty(({writer.n_partials()}, n_rows, parts), dtype=WS_DTYPE, device=device)
         posted = torch.zeros(n_rows, dtype=torch.int32, device=device)
         spin = SPIN_POLLS if device.type == "cuda" else 0  # the interpreter runs one program at a time
@@ -1964,7 +2014,9 @@ def row_reduction_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
-    FLAT_ROWS: tl.constexpr,{mode_args}{split_args}
+    FLAT_ROWS: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
+    OFF64: tl.constexpr,{mode_args}{split_args}
 ):
 {kernel_body}
 {reduce_kernel}
@@ -2000,6 +2052,12 @@ def _coalesce(lead, strides):
     return [1] * pad + dims, [[0] * pad + s for s in strides], len(dims) <= 1
 
 
+def _off64(tensors):
+    """Whether an element offset of any of ``tensors`` reaches 2**31: the kernel's offsets are 64-bit
+    then, else 32-bit (fewer registers and instructions a column)."""
+    return any(sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if n) >= 2**31 for t in tensors)
+
+
 {grouped_helper}{split_helper}def _pow2_at_most(x, cap):
     return max(1, min(cap, 1 << (max(1, int(x)).bit_length() - 1)))
 
@@ -2016,7 +2074,8 @@ def row_reduction({", ".join(args)}):
         raise ValueError(f"{{n_rows}} rows: at most 2**31 - 1 are supported")
     single = n_cols <= MAX_SINGLE
     block = max(16, triton.next_power_of_2(n_cols)) if single else {chunk}
-{per_column}    rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
+{per_column}    off64 = _off64([*views, out])
+    rows_per_program = _pow2_at_most(TILE // block, triton.next_power_of_2(n_rows))
     warps = _pow2_at_most(NUM_WARPS * rows_per_program * block // TILE, 16) if rows_per_program * block > TILE else NUM_WARPS
 {gather_warps("rows_per_program", "    ")}{launch}{finish}
 
