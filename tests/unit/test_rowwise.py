@@ -934,11 +934,11 @@ def test_long_rows_try_the_biggest_chunks_first():
     assert tuning_space(short, "sm_90")[0]["CHUNK"] == 4096
     for plan in (long, groups):
         space = tuning_space(plan, "sm_90")
-        # few long rows: the first two try them in one launch of waiting parts, each program
-        # writing a part read 24 % of L2 earlier, then its own (waiting_rows.md); the third is the
-        # same in two launches
-        assert space[0] == {**space[2], "WAIT_PART": 4096, "WAIT_LAG": 24}
-        assert space[1] == {**space[2], "WAIT_PART": 4096}
+        # few long rows: the first two try them in one launch of waiting parts of 8192 columns,
+        # then 4096, each program writing a part read 28 % of L2 earlier (waiting_rows.md); the
+        # third is the same in two launches
+        assert space[0] == {**space[2], "WAIT_PART": 8192, "WAIT_LAG": 28}
+        assert space[1] == {**space[2], "WAIT_PART": 4096, "WAIT_LAG": 28}
         assert space[2]["CHUNK"] == 8192 and space[-1] == {**space[2], "SPLIT_PER_SM": 0}
         assert [c["CHUNK"] for c in space[2:-1]] == sorted((c["CHUNK"] for c in space[2:-1]), reverse=True)
 

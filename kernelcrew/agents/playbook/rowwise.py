@@ -995,10 +995,10 @@ def tuning_space(plan: RowPlan, arch: str) -> list[dict[str, int]]:
         space.append({**space[0], "SPLIT_PER_SM": 0})
         if row_count(plan) <= FEW_ROWS and row_length(plan) > max(c[0] for c in configs):
             # few long rows, split: first in one launch of waiting parts, read once from DRAM, each
-            # program writing a part read 24 % of L2 earlier, then one where each writes its own
-            # (bench/results/waiting_rows.md, GroupNorm on the H100: 0.122 and 0.143 ms, 0.155 in
-            # two launches; parts of 8192 columns ran slower, at 108-110 registers)
-            space[:0] = [{**space[0], "WAIT_PART": 4096, "WAIT_LAG": 24}, {**space[0], "WAIT_PART": 4096}]
+            # program writing a part read 28 % of L2 earlier, in parts of 8192 columns, then 4096
+            # (bench/results/waiting_rows.md, GroupNorm on the H100: 0.109 and 0.113 ms; 0.129 with
+            # each program writing its own part, 0.153 in two launches)
+            space[:0] = [{**space[0], "WAIT_PART": p, "WAIT_LAG": 28} for p in (8192, 4096)]
     return space
 
 
@@ -1521,7 +1521,7 @@ class _KernelWriter:
         return self.merged_reductions() + self.emitter.section(self.per_row_steps(1))
 
     def merged_reductions(self) -> list[str]:
-        """Each reduction's ``finals`` from the SPLITS parts' states (see ``merged_stats``)."""
+        """Each reduction's per-row values from the SPLITS parts' states (see ``merged_stats``)."""
         lines, slot = ["parts = tl.arange(0, SPLITS)", "row = tl.sum(rows)  # the one row, a scalar"], 0
         for s in self.plan.reductions:
             lines += self.merge(s, slot)
@@ -1529,7 +1529,7 @@ class _KernelWriter:
         return lines
 
     def row_reductions(self, block: str) -> list[str]:
-        """Each reduction's ``finals`` as scalars, reduced by this program over the whole row in
+        """Each reduction's per-row values as scalars, reduced by this program over the whole row in
         chunks of ``block`` columns (ROWS is 1): the merge's values, rounded otherwise."""
         reductions = self.plan.reductions
         lines = [line for s in reductions for line in self.reduce_init(s, block)]
@@ -1539,13 +1539,8 @@ class _KernelWriter:
         lines += [line for s in reductions for line in self.reduce_final(s)]
         # its states renamed: Triton wants a name both branches of an if assign to keep its type
         lines = [re.sub(r"\br_(?=\w)", "rr_", line) for line in lines]
-        return lines + [f"{name} = tl.sum({name})" for s in reductions for name in self.finals(s)]
-
-    @staticmethod
-    def finals(s: Step) -> list[str]:
-        """The names ``reduce_final`` and ``merge`` give reduction ``s``'s result."""
-        o = f"t_{s.out}"
-        return {"rlse": [f"{o}_m", f"{o}_s"], "rmoments": [f"{o}_mean", f"{o}_var"]}.get(s.op, [o])
+        finals = [f"t_{s.out}{suffix}" for s in reductions for suffix in REDUCTIONS[s.op]]
+        return lines + [f"{name} = tl.sum({name})" for name in finals]
 
     def waiting_pass(self, header: list[str]) -> list[str]:
         """Few long rows in one launch (PHASE 3), each element read once from DRAM. Program ``flat``
@@ -1566,9 +1561,10 @@ class _KernelWriter:
 
         After ``spin`` polls a program reduces the whole row itself, in chunks of an eighth of a
         part, so no order of execution deadlocks; the CPU interpreter, which runs programs one at
-        a time in order, passes 0. It keeps those statistics to itself: in chunks of a whole part,
-        as an earlier fallback reduced, this never-taken branch held 80 registers a thread
-        against 48 (bench/results/waiting_rows.md, parts of 8192 columns)."""
+        a time in order, passes 0. It keeps those statistics to itself. The fallback of 4b90449
+        reduced and posted whole parts: with it, parts of 8192 columns held 108-110 registers a
+        thread, against 48 now (bench/results/waiting_rows.md; in a scratch run, that fallback
+        alone made the difference between 80 and 48)."""
         reductions = self.plan.reductions
         red_args = [s.args[0] for s in reductions]
         reduce = [line for s in reductions for line in self.reduce_init(s)]
