@@ -87,7 +87,7 @@ def time_generated(path: Path, gens: dict[str, object], configs_of, prefix: str)
     analysis, plan, task, model, ref64, inputs, fresh = row_setup(path)
     nbytes = sum(t.numel() * t.element_size() for t in inputs)
     with torch.no_grad():
-        golden = ref64(*[t.double() for t in fresh])
+        golden = ref64(*[t.double() if t.is_floating_point() else t for t in fresh])  # indices stay
         out = model(*inputs)
         nbytes += out.numel() * out.element_size()
         compiled = torch.compile(model)
