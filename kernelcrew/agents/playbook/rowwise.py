@@ -66,13 +66,16 @@ neighbours, which a GPU starts together) have posted: every program waits for it
 part with nothing in flight. With ``WAIT_LAG`` (tried first) program i first writes part i - lag,
 the lag sized so that the parts read in between span that share of L2 (and at least a row's
 parts): its row was read by programs started well before, so it rarely waits, and only for
-programs started before it. A program that has polled ``SPIN_POLLS`` times reduces every part of
-the row itself (the same states in the same order: the same bits), so no schedule deadlocks; the
-CPU interpreter runs one program at a time, in order. On the H100 (``bench/results/
-waiting_rows.md``) GroupNorm's rows ran in 0.122 ms lagged (24 % of L2) against 0.143 ms unlagged,
-0.155 ms in two launches and 0.184 ms for ``torch.compile``: 76 % of the calibrated copy bandwidth
-(``suite_h100.md``, where L2 is at 91 % of its peak). Parts of 8192 columns ran slower (108-110
-registers: fewer programs resident).
+programs started before it. A program that has polled ``SPIN_POLLS`` times reduces the whole row
+itself, in small chunks, for itself alone, so no schedule deadlocks; the CPU interpreter runs one
+program at a time, in order. On the H100 (``bench/results/waiting_rows.md``) GroupNorm's rows ran
+in 0.109 ms lagged (28 % of L2, parts of 8192 columns, 48 registers a thread) against 0.129 ms
+unlagged, 0.153 ms in two launches and 0.183 ms for ``torch.compile``: 83 % of the calibrated copy
+bandwidth (``suite_h100.md``, where L2 is at 92 % of its peak). Where every chunk is whole
+(``EVEN_COLS``) the kernels drop the column mask, where a GroupNorm block never straddles two
+channels (``ONE_CHANNEL``) the per-column channel select, and where no operand reaches 2**31
+elements (``OFF64`` false) they compute offsets in 32 bits: together with the fallback's smaller
+chunks, that took GroupNorm's parts of 8192 columns from 108-110 registers to 48.
 
 Known limits: max/min reductions do not propagate NaN as ``torch.amax`` does; an operand needed both
 per element and per row (a scalar weight used on both sides of a reduction) is refused.
