@@ -70,7 +70,7 @@ programs started before it. A program that has polled ``SPIN_POLLS`` times reduc
 itself, in small chunks, for itself alone, so no schedule deadlocks; the CPU interpreter runs one
 program at a time, in order. On the H100 (``bench/results/waiting_rows.md``) GroupNorm's rows ran
 in 0.109 ms lagged (28 % of L2, parts of 8192 columns, 48 registers a thread) against 0.129 ms
-unlagged, 0.153 ms in two launches and 0.183 ms for ``torch.compile``: 83 % of the calibrated copy
+unlagged, 0.153 ms in two launches and 0.185 ms for ``torch.compile``: 83 % of the calibrated copy
 bandwidth (``suite_h100.md``, where L2 is at 92 % of its peak). Where every chunk is whole
 (``EVEN_COLS``) the kernels drop the column mask, where a GroupNorm block never straddles two
 channels (``ONE_CHANNEL``) the per-column channel select, and where no operand reaches 2**31
