@@ -136,8 +136,16 @@ def candidates_markdown(result: dict, title: str, script: str, note: str, column
         f"[p10-p90]). {note}",
         "",
     ]
-    header = ["generator", *columns, "ms [p10-p90]", "TB/s", "vs compile", "registers (spills)", "warps"]
-    header.append("rel. error")
+    header = [
+        "generator",
+        *columns,
+        "ms [p10-p90]",
+        "TB/s",
+        "vs compile",
+        "registers (spills)",
+        "warps",
+        "rel. error",
+    ]
     for row in result["rows"]:
         gb = row["bytes"] / 1e9
         compile_ms = row["compile"]["median_ms"]

@@ -1531,14 +1531,19 @@ class _KernelWriter:
             slot += len(self.partials(s))
         return lines
 
+    def reduce_span(self, lo: str, hi: str, evict: str = "", block: str = "BLOCK_N") -> list[str]:
+        """Every reduction's state over the columns ``lo`` to ``hi``, in chunks of ``block``."""
+        reductions = self.plan.reductions
+        lines = [line for s in reductions for line in self.reduce_init(s, block)]
+        inner = self.chunk([s.args[0] for s in reductions], evict, block)
+        inner += [line for s in reductions for line in self.reduce_update(s, block)]
+        return [*lines, f"for start in range({lo}, {hi}, {block}):", *(f"    {line}" for line in inner)]
+
     def row_reductions(self, block: str) -> list[str]:
         """Each reduction's per-row values as scalars, reduced by this program over the whole row in
         chunks of ``block`` columns (ROWS is 1): the merge's values, rounded otherwise."""
         reductions = self.plan.reductions
-        lines = [line for s in reductions for line in self.reduce_init(s, block)]
-        inner = self.chunk([s.args[0] for s in reductions], block=block)
-        inner += [line for s in reductions for line in self.reduce_update(s, block)]
-        lines += ["for start in range(0, n_cols, " + block + "):", *(f"    {line}" for line in inner)]
+        lines = self.reduce_span("0", "n_cols", block=block)
         lines += [line for s in reductions for line in self.reduce_final(s)]
         # its states renamed: Triton wants a name both branches of an if assign to keep its type
         lines = [re.sub(r"\br_(?=\w)", "rr_", line) for line in lines]
@@ -1614,15 +1619,7 @@ class _KernelWriter:
     def split_pass(self) -> list[str]:
         """Few long rows: each of SPLITS programs reduces one part of a row and stores its partial
         states (PHASE 1); a second launch merges a row's states and writes each part (PHASE 2)."""
-        reductions = self.plan.reductions
-        phase1: list[str] = []
-        for s in reductions:
-            phase1 += self.reduce_init(s)
-        inner = self.chunk([s.args[0] for s in reductions], "evict_last")
-        for s in reductions:
-            inner += self.reduce_update(s)
-        phase1 += ["for start in range(lo, hi, BLOCK_N):", *(f"    {line}" for line in inner)]
-        phase1 += self.post_partials("split")
+        phase1 = self.reduce_span("lo", "hi", "evict_last") + self.post_partials("split")
         loop = self.chunk([self.plan.result]) + self.store()
         phase2 = [*self.merged_stats(), "for start in range(lo, hi, BLOCK_N):"]
         phase2 += [f"    {line}" for line in loop]
