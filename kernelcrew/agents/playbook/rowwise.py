@@ -1571,8 +1571,8 @@ class _KernelWriter:
         part, so no order of execution deadlocks; the CPU interpreter, which runs programs one at
         a time in order, passes 0. It keeps those statistics to itself. The fallback of 4b90449
         reduced and posted whole parts: with it, parts of 8192 columns held 108-110 registers a
-        thread, against 48 now (bench/results/waiting_rows.md; in a scratch run, that fallback
-        alone made the difference between 80 and 48)."""
+        thread, against 48 now (bench/results/waiting_rows.md, which also counts 2557263's other
+        changes to the kernel: its column masks, channel selects and offsets)."""
         reductions = self.plan.reductions
         red_args = [s.args[0] for s in reductions]
         reduce = [line for s in reductions for line in self.reduce_init(s)]
