@@ -636,15 +636,15 @@ def test_waiting_parts_read_the_row_once():
     write, post = body.split("elif flat < n_rows * SPLITS:", 1)
     assert "if (step == 0) == LAGGED:" in write and "if flat >= lag:" in write
     assert post.index("tl.store(ws_ptr") < post.index("tl.atomic_add(posted_ptr")
-    waiting, rest = write.split("while (seen < SPLITS) & (polls < spin):", 1)
+    waiting, rest = write.split("while (seen < target) & (polls < spin):", 1)
     fallback, output = rest.split("parts = tl.arange(0, SPLITS)", 1)
     x_load = r"v0 = tl\.load\(in0_ptr \+ off0\[:, None\] \+ cols[^\n]*"
     policy = r'eviction_policy="(\w+)"'
     assert [re.search(policy, x)[1] for x in re.findall(x_load, post)] == ["evict_last"]
     assert not re.findall(x_load, waiting)
     # the fallback reduces the whole row in chunks of an eighth of a part, and posts nothing
-    assert "if seen < SPLITS:" in fallback and "for start in range(0, n_cols, (BLOCK_N // 8)):" in fallback
-    assert "tl.store(" not in fallback and "tl.atomic" not in fallback.split("if seen < SPLITS:")[1]
+    assert "if seen < target:" in fallback and "for start in range(0, n_cols, (BLOCK_N // 8)):" in fallback
+    assert "tl.store(" not in fallback and "tl.atomic" not in fallback.split("if seen < target:")[1]
     assert [re.search(policy, x)[1] for x in re.findall(x_load, output)] == ["evict_first"]
     stores = re.findall(r"tl\.store\(out_ptr[^\n]*", output)
     assert stores and all(re.search(policy, x)[1] == "evict_first" for x in stores)
@@ -669,7 +669,7 @@ def test_lagged_programs_only_wait_for_programs_started_before_them(name, interp
     a, plan = plan_of(source)
     candidate = generate_rowwise(a, plan, {**SMALL_WAIT, "WAIT_LAG": 30})
     candidate = candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64")
-    fallback = "if seen < SPLITS:  # not all posted after spin polls: reduce the whole row here"
+    fallback = "if seen < target:  # not all posted after spin polls: reduce the whole row here"
     assert candidate.count(fallback) == 1
     indent = re.search(rf"^( *){re.escape(fallback)}", candidate, flags=re.M).group(1)
     # the interpreter runs a kernel as Python: a raise in the fallback raises when it is taken
@@ -684,6 +684,62 @@ def test_lagged_programs_only_wait_for_programs_started_before_them(name, interp
     unlagged = candidate.replace("WAIT_LAG = 30", "WAIT_LAG = 0")
     with pytest.raises(Exception, match="a row not posted"):
         interpreter.submit(compare_in_interpreter, source, unlagged, sets(torch), 1e-4).result()
+
+
+def repeated_calls(source: str, candidate: str, input_sets, calls: list[int]):
+    """Call the candidate on ``input_sets[i]`` for each i of ``calls`` (in the interpreter): each
+    output's largest error against the float64 reference, and the waiting launch's counters after."""
+    import torch
+
+    task = load_task(source, "row_task.py")
+    ref64 = task.model_cls().eval().double()
+    module = import_source(candidate, f"rows_{uuid.uuid4().hex[:8]}", "row_candidate.py")
+    new = module.ModelNew()
+    new.load_state_dict(ref64.state_dict())
+    errors = []
+    with torch.no_grad():
+        for i in calls:
+            inputs = input_sets[i]
+            golden = ref64(*[t.double() if t.is_floating_point() else t for t in inputs])
+            errors.append(float((new(*inputs).double() - golden).abs().max()))
+    return errors, {key[2:]: posted.tolist() for key, posted in module._POSTED.items()}
+
+
+@pytest.mark.parametrize("wait_lag", [0, 30])
+def test_waiting_counters_are_kept_between_calls(wait_lag, interpreter):
+    """No memset per call: each waiting launch adds SPLITS to every row's counter (and the lag to
+    the count of the programs after the rows), and the next call's targets start from there. Calls
+    of two shapes in turn keep their own counters and compute every row: a target too low would
+    merge states not yet stored (unlagged, the interpreter's rows are not whole when their first
+    parts write), one too high would take the fallback, which raises here when lagged."""
+    import re
+
+    import torch
+
+    forward, inputs, init, args, _sets = PATTERNS["softmax_masked_fill"]
+    source = task_source(forward, inputs, init, args)
+    a, plan = plan_of(source)
+    params = {**SMALL_WAIT, "WAIT_LAG": wait_lag}
+    candidate = generate_rowwise(a, plan, params).replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64")
+    if wait_lag:
+        fallback = "if seen < target:  # not all posted after spin polls: reduce the whole row here"
+        indent = re.search(rf"^( *){re.escape(fallback)}", candidate, flags=re.M).group(1)
+        candidate = candidate.replace(
+            fallback, f'{fallback}\n{indent}    raise AssertionError("a row not posted")'
+        )
+    torch.manual_seed(4)
+    input_sets = [
+        [torch.randn(rows, cols), (torch.rand(rows, cols) > 0.3).long()] for rows, cols in ((3, 50), (2, 90))
+    ]
+    calls = [0, 0, 1, 0, 1, 1]
+    errors, counters = interpreter.submit(repeated_calls, source, candidate, input_sets, calls).result()
+    assert max(errors) < 1e-5, errors
+    assert len(counters) == 2  # a shape each
+    for (n_rows, parts, lag), posted in counters.items():
+        shape = next(i for i, xs in enumerate(input_sets) if len(xs[0]) == n_rows)
+        made = calls.count(shape)
+        assert parts > 1 and lag == (parts if wait_lag else 0)
+        assert posted == [made * parts] * n_rows + [made * lag]
 
 
 @pytest.mark.parametrize("name", ["group_norm_embedding_residual", "softmax_masked_fill"])

@@ -1594,10 +1594,10 @@ class _KernelWriter:
             *part("(flat - lag)"),
             'seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
             "polls = tl.zeros_like(seen)",
-            "while (seen < SPLITS) & (polls < spin):",
+            "while (seen < target) & (polls < spin):",
             '    seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
             "    polls += 1",
-            "if seen < SPLITS:  # not all posted after spin polls: reduce the whole row here",
+            "if seen < target:  # not all posted after spin polls: reduce the whole row here",
             *(f"    {line}" for line in self.row_reductions("(BLOCK_N // 8)")),
             "else:",
             *(f"    {line}" for line in self.merged_reductions()),
@@ -1608,6 +1608,13 @@ class _KernelWriter:
         ]
         return [
             "flat = pid",
+            "# Counters are kept between calls: each call adds SPLITS to every row's, so a row is",
+            "# whole at target, the next multiple of SPLITS above its count before the call.",
+            "if flat < n_rows * SPLITS:  # its row's count, read before it posts: below target",
+            '    epoch = tl.atomic_add(posted_ptr + flat // SPLITS, 0, sem="relaxed") // SPLITS',
+            "else:  # the last lag programs only write: they count themselves after the rows",
+            '    epoch = tl.atomic_add(posted_ptr + n_rows, 1, sem="relaxed") // lag',
+            "target = (epoch + 1) * SPLITS",
             "for step in tl.static_range(2):  # lagged: write, then reduce; else reduce, then write",
             "    if (step == 0) == LAGGED:",
             "        if flat >= lag:  # write part flat - lag once its row's parts have posted",
@@ -1670,6 +1677,25 @@ def _wait_lag(programs, parts, part_bytes, device):
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             lag = int(WAIT_LAG / 100 * l2) // max(1, part_bytes)
     return min(max(lag, parts), programs)
+
+
+#: The waiting launch's per-row counters, one set per device, stream and shape, kept between calls.
+_POSTED = {}
+
+
+def _posted(n_rows, parts, lag, device):
+    """Row counters for a waiting launch, without a memset per call: each launch adds ``parts`` to
+    every row's, so each call's count starts at a multiple of it. A stream keeps its own, so that
+    no two launches use one at once. While a CUDA graph is being captured they are new zeros each
+    call (the memset is captured with the launch, so every replay starts from zero)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n_rows + 1, dtype=torch.int64, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, n_rows, parts, lag)
+    posted = _POSTED.get(key)
+    if posted is None:
+        posted = _POSTED.setdefault(key, torch.zeros(n_rows + 1, dtype=torch.int64, device=device))
+    return posted
 
 
 '''
@@ -1919,9 +1945,9 @@ def _per_column(views, strides, modes, shape, positions):
         meta = dict({", ".join(meta)})
         meta["EVEN_COLS"] = parts * block == n_cols  # and no part empty
         ws = torch.empty(({writer.n_partials()}, n_rows, parts), dtype=WS_DTYPE, device=device)
-        posted = torch.zeros(n_rows, dtype=torch.int32, device=device)
         spin = SPIN_POLLS if device.type == "cuda" else 0  # the interpreter runs one program at a time
         lag = _wait_lag(n_rows * parts, parts, block * {column_bytes}, device)
+        posted = _posted(n_rows, parts, lag, device)
         row_reduction_kernel[(n_rows * parts + lag,)](*views, out, ws, posted, spin, lag, *sizes, ROWS=1, SPLITS=parts, PHASE=3, LAGGED=lag > 0, num_warps=_pow2_at_most(block // 1024, 16), **meta)  # a warp per 1024 columns
     else:  # few long rows: SPLITS programs per row, a stats launch then an output launch
         ws = torch.empty(({writer.n_partials()}, n_rows, splits), dtype=WS_DTYPE, device=device)
