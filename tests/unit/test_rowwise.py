@@ -621,11 +621,11 @@ def test_rows_split_over_programs_that_wait_for_each_other(name, interpreter):
 
 
 def test_waiting_parts_read_the_row_once():
-    """Each program of the waiting launch loads its part once, hinted to stay in L2, and posts its
-    states before it counts itself; it writes part ``flat - lag`` (before that when lagged, after
-    it otherwise): it polls that part's row a bounded number of times (reducing the row itself if
-    it stopped waiting) and reads the part once more, from L2, hinted to leave it, as are its
-    stores, which keeps the parts still to be read again in L2."""
+    """Each program of the waiting launch loads its part once, hinted ``evict_last``, and posts its
+    states before it counts itself (a release); it writes part ``flat - lag`` (before that when
+    lagged, after it otherwise): it polls that part's row a bounded number of times (reducing the
+    row itself if it stopped waiting) and reads the part once more, hinted ``evict_first``, and
+    stores it streaming (``.cs``)."""
     import re
 
     forward, inputs, init, args, _sets = PATTERNS["group_norm_embedding_residual"]
@@ -635,7 +635,7 @@ def test_waiting_parts_read_the_row_once():
     body = source[start.end() :].split(f"\n{start.group(1)}else:", 1)[0]
     write, post = body.split("elif flat < n_rows * SPLITS:", 1)
     assert "if (step == 0) == LAGGED:" in write and "if flat >= lag:" in write
-    assert post.index("tl.store(ws_ptr") < post.index("tl.atomic_add(posted_ptr")
+    assert post.index("tl.store(ws_ptr") < post.index('tl.atomic_add(posted_ptr + pid, 1, sem="release")')
     waiting, rest = write.split("while (seen < target) & (polls < spin):", 1)
     fallback, output = rest.split("parts = tl.arange(0, SPLITS)", 1)
     x_load = r"v0 = tl\.load\(in0_ptr \+ off0\[:, None\] \+ cols[^\n]*"
@@ -647,7 +647,7 @@ def test_waiting_parts_read_the_row_once():
     assert "tl.store(" not in fallback and "tl.atomic" not in fallback.split("if seen < target:")[1]
     assert [re.search(policy, x)[1] for x in re.findall(x_load, output)] == ["evict_first"]
     stores = re.findall(r"tl\.store\(out_ptr[^\n]*", output)
-    assert stores and all(re.search(policy, x)[1] == "evict_first" for x in stores)
+    assert stores and all(x.endswith('cache_modifier=".cs")') for x in stores)
 
 
 #: Patterns whose waiting launch runs with a lag on the CPU (one row's parts there).

@@ -60,7 +60,7 @@ Those two launches read each element twice from DRAM, which caps them near two t
 floor. A third way reads it once (``WAIT_PART``; the tuning space tries it first when the example
 has few long rows): one launch, a row in up to ``MAX_SPLITS`` parts of at most ``WAIT_PART``
 columns, one per program, which reduces its part, stores its partial states and counts itself in a
-per-row counter; and writes a part, reading it again from L2, once that part's row has been
+per-row counter (kept between calls: no memset launch); and writes a part, reading it again from L2, once that part's row has been
 counted whole. With ``WAIT_LAG`` 0 that is its own part, after the row's other parts (its
 neighbours, which a GPU starts together) have posted: every program waits for its row's slowest
 part with nothing in flight. With ``WAIT_LAG`` (tried first) program i first writes part i - lag,
@@ -1320,7 +1320,9 @@ class _KernelWriter:
             return [f"{o}_mean = {r}_mean", f"{o}_var = {r}_m2 / {self.var_divisor(s)}"]
         raise ValueError(f"no Triton code for reduction {s.op!r}")
 
-    def store(self, hint: str = "") -> list[str]:
+    def store(self, streaming: bool = False) -> list[str]:
+        """The output's store; ``streaming`` (the waiting launch) marks it ``.cs``, data not read
+        again, which ran faster there than an ``evict_first`` hint (bench/results/waiting_rows.md)."""
         plan = self.plan
         result = self.emitter.ref(plan.result)
         if plan.loss_reduction is not None:
@@ -1334,7 +1336,7 @@ class _KernelWriter:
             result = f"_round_bf16({result})"
         value = f"{result}.to(out_ptr.dtype.element_ty)"
         if plan.result_layout == "row":
-            policy = f', eviction_policy="{hint}"' if hint else ""
+            policy = ', cache_modifier=".cs"' if streaming else ""
             return [f"tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], {value}, mask=mask{policy})"]
         return [f"tl.store(out_ptr + rows[:, None], {value}, mask=rmask[:, None])"]
 
@@ -1553,10 +1555,18 @@ class _KernelWriter:
     def waiting_pass(self, header: list[str]) -> list[str]:
         """Few long rows in one launch (PHASE 3), each element read once from DRAM. Program ``flat``
         reduces part ``flat`` (one BLOCK_N part of a row, its loads hinted ``evict_last``), stores
-        its partial states and counts itself in its row's ``posted``; and it writes part
-        ``flat - lag``: it polls that part's row until all its parts have posted, merges their
-        states and reads the part again, from L2 (hinted ``evict_first``, as are its stores, which
-        keeps the parts still to be read again in L2).
+        its partial states and counts itself in its row's ``posted`` (a release: the states are
+        visible before the count); and it writes part ``flat - lag``: it polls that part's row
+        until all its parts have posted (acquires), merges their states and reads the part again,
+        from L2 (hinted ``evict_first``), and stores it streaming (``.cs``). The hints are the L1
+        eviction priorities Triton emits: loading with ``.cg`` (no L1) instead ran 19 % slower in
+        a scratch run.
+
+        The counters are kept between calls (``_posted``), so no launch zeroes them first: each
+        call adds SPLITS to every row's, and a row is whole when its count reaches ``target``, the
+        next multiple of SPLITS above what it held before the call. A program reads that from its
+        own row's count before it posts (below ``target`` then); the lag's trailing programs, which
+        own no part, count themselves in one more counter, which each call adds ``lag`` to.
 
         With ``lag`` 0 a program writes its own part, after reducing it, once the row's other
         parts (its neighbours) have posted: every program waits for its row's slowest part with
@@ -1589,7 +1599,7 @@ class _KernelWriter:
             ]
 
         post = [*part("flat"), *self.chunk(red_args, "evict_last"), *reduce, *self.post_partials("split")]
-        post.append('tl.atomic_add(posted_ptr + pid, 1, sem="acq_rel")')
+        post.append('tl.atomic_add(posted_ptr + pid, 1, sem="release")  # after its states')
         write = [
             *part("(flat - lag)"),
             'seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
@@ -1604,7 +1614,7 @@ class _KernelWriter:
             *self.emitter.section(self.per_row_steps(1)),
             "start = lo",
             *self.chunk([self.plan.result], "evict_first"),
-            *self.store("evict_first"),
+            *self.store(streaming=True),
         ]
         return [
             "flat = pid",
