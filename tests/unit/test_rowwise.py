@@ -1133,8 +1133,9 @@ def sm90_builds(tmp_path_factory):
         source, candidate = jobs[name]
         jobs[f"{name}_split"] = (source, candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
         a, plan = plan_of(source)
-        waiting = generate_rowwise(a, plan, {**SMALL_WAIT, "num_warps": 4})
-        jobs[f"{name}_wait"] = (source, waiting.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
+        for suffix, lag in (("wait", 0), ("lagged", 28)):
+            waiting = generate_rowwise(a, plan, {**SMALL_WAIT, "WAIT_LAG": lag, "num_warps": 4})
+            jobs[f"{name}_{suffix}"] = (source, waiting.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
     workdir = str(tmp_path_factory.mktemp("sm90"))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(compile_for_sm90, jobs, workdir).result()
@@ -1162,12 +1163,14 @@ def test_split_row_kernels_compile_for_sm90(name, sm90_builds):
 
 
 @pytest.mark.parametrize("name", SPLIT_COMPILED)
-def test_waiting_row_kernels_compile_for_sm90(name, sm90_builds):
-    """The one launch of waiting parts (atomics, a bounded poll, the fallback loop) builds."""
-    compiled = sm90_builds[f"{name}_wait"]
+@pytest.mark.parametrize("lagged", [False, True])
+def test_waiting_row_kernels_compile_for_sm90(name, lagged, sm90_builds):
+    """The one launch of waiting parts (atomics, a bounded poll, the fallback loop) builds, each
+    program writing its own part or, lagged, an earlier one first."""
+    compiled = sm90_builds[f"{name}_{'lagged' if lagged else 'wait'}"]
     assert isinstance(compiled, list), compiled
-    phases = {c["PHASE"] for c in compiled if c["kernel"] == "row_reduction_kernel" and c["SPLITS"] > 1}
-    assert phases == {3}
+    waiting = [c for c in compiled if c["kernel"] == "row_reduction_kernel" and c["SPLITS"] > 1]
+    assert {(c["PHASE"], c["LAGGED"]) for c in waiting} == {(3, lagged)}
 
 
 # ----------------------------------------------------------------------------------------------

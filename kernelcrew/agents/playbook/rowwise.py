@@ -1599,7 +1599,7 @@ class _KernelWriter:
             ]
 
         post = [*part("flat"), *self.chunk(red_args, "evict_last"), *reduce, *self.post_partials("split")]
-        post.append('tl.atomic_add(posted_ptr + pid, 1, sem="release")  # after its states')
+        post.append('old = tl.atomic_add(posted_ptr + pid, 1, sem="release")  # after its states')
         write = [
             *part("(flat - lag)"),
             'seen = tl.atomic_add(posted_ptr + pid, 0, sem="acquire")',
@@ -1620,17 +1620,22 @@ class _KernelWriter:
             "flat = pid",
             "# Counters are kept between calls: each call adds SPLITS to every row's, so a row is",
             "# whole at target, the next multiple of SPLITS above its count before the call.",
-            "if flat < n_rows * SPLITS:  # its row's count, read before it posts: below target",
-            '    epoch = tl.atomic_add(posted_ptr + flat // SPLITS, 0, sem="relaxed") // SPLITS',
-            "else:  # the last lag programs only write: they count themselves after the rows",
-            '    epoch = tl.atomic_add(posted_ptr + n_rows, 1, sem="relaxed") // lag',
-            "target = (epoch + 1) * SPLITS",
+            "if LAGGED:  # it writes first",
+            "    if flat < n_rows * SPLITS:  # its row's count, read before it posts: below target",
+            '        epoch = tl.atomic_add(posted_ptr + flat // SPLITS, 0, sem="relaxed") // SPLITS',
+            "    else:  # the last lag programs only write: they count themselves after the rows",
+            '        epoch = tl.atomic_add(posted_ptr + n_rows, 1, sem="relaxed") // lag',
+            "    target = (epoch + 1) * SPLITS",
+            "else:  # it posts first: the count before its own",
+            "    target = tl.full([], 0, tl.int64)",
             "for step in tl.static_range(2):  # lagged: write, then reduce; else reduce, then write",
             "    if (step == 0) == LAGGED:",
             "        if flat >= lag:  # write part flat - lag once its row's parts have posted",
             *(f"            {line}" for line in write),
             "    elif flat < n_rows * SPLITS:  # reduce part flat and post its states",
             *(f"        {line}" for line in post),
+            "        if not LAGGED:",
+            "            target = (old // SPLITS + 1) * SPLITS",
         ]
 
     def split_pass(self) -> list[str]:
