@@ -68,10 +68,10 @@ the lag sized so that the parts read in between span that share of L2 (and at le
 parts): its row was read by programs started well before, so it rarely waits, and only for
 programs started before it. A program that has polled ``SPIN_POLLS`` times reduces the whole row
 itself, in small chunks, for itself alone, so no schedule deadlocks; the CPU interpreter runs one
-program at a time, in order. On the H100 (``bench/results/waiting_rows.md``) GroupNorm's rows ran
-in 0.109 ms lagged (28 % of L2, parts of 8192 columns, 48 registers a thread) against 0.129 ms
-unlagged, 0.153 ms in two launches and 0.185 ms for ``torch.compile``: 83 % of the calibrated copy
-bandwidth (``suite_h100.md``, where L2 is at 92 % of its peak). Where every chunk is whole
+program at a time, in order. On the H100 (``bench/results/waiting_counters.md``) GroupNorm's rows
+ran in 0.1085 ms lagged (28 % of L2, parts of 8192 columns, 48 registers a thread) against 0.1266
+ms unlagged, 0.153 ms in two launches and 0.185 ms for ``torch.compile``: 84 % of the calibrated
+copy bandwidth in the suite's run (``suite_h100.md``, where L2 is at 91 % of its peak). Where every chunk is whole
 (``EVEN_COLS``) the kernels drop the column mask, where a GroupNorm block never straddles two
 channels (``ONE_CHANNEL``) the per-column channel select, and where no operand reaches 2**31
 elements (``OFF64`` false) they compute offsets in 32 bits: together with the fallback's smaller
@@ -1322,7 +1322,8 @@ class _KernelWriter:
 
     def store(self, streaming: bool = False) -> list[str]:
         """The output's store; ``streaming`` (the waiting launch) marks it ``.cs``, data not read
-        again, which ran faster there than an ``evict_first`` hint (bench/results/waiting_rows.md)."""
+        again, which ran faster there than an ``evict_first`` hint in scratch runs
+        (bench/results/waiting_counters.md times it with the rest of 0cd2017's changes)."""
         plan = self.plan
         result = self.emitter.ref(plan.result)
         if plan.loss_reduction is not None:
@@ -1559,14 +1560,15 @@ class _KernelWriter:
         visible before the count); and it writes part ``flat - lag``: it polls that part's row
         until all its parts have posted (acquires), merges their states and reads the part again,
         from L2 (hinted ``evict_first``), and stores it streaming (``.cs``). The hints are the L1
-        eviction priorities Triton emits: loading with ``.cg`` (no L1) instead ran 19 % slower in
+        eviction priorities Triton emits: loading with ``.cg`` (no L1) instead ran much slower in
         a scratch run.
 
         The counters are kept between calls (``_posted``), so no launch zeroes them first: each
         call adds SPLITS to every row's, and a row is whole when its count reaches ``target``, the
-        next multiple of SPLITS above what it held before the call. A program reads that from its
-        own row's count before it posts (below ``target`` then); the lag's trailing programs, which
-        own no part, count themselves in one more counter, which each call adds ``lag`` to.
+        next multiple of SPLITS above what it held before the call. A lagged program, which writes
+        before it posts, reads that from its own row's count first (below ``target`` then), an
+        unlagged one from the count its post returns; the lag's trailing programs, which own no
+        part, count themselves in one more counter, which each call adds ``lag`` to.
 
         With ``lag`` 0 a program writes its own part, after reducing it, once the row's other
         parts (its neighbours) have posted: every program waits for its row's slowest part with
