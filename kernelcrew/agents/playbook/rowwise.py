@@ -60,20 +60,20 @@ Those two launches read each element twice from DRAM, which caps them near two t
 floor. A third way reads it once (``WAIT_PART``; the tuning space tries it first when the example
 has few long rows): one launch, a row in up to ``MAX_SPLITS`` parts of at most ``WAIT_PART``
 columns, one per program, which reduces its part, stores its partial states and counts itself in a
-per-row counter (kept between calls: no memset launch); and writes a part, reading it again from L2, once that part's row has been
-counted whole. With ``WAIT_LAG`` 0 that is its own part, after the row's other parts (its
-neighbours, which a GPU starts together) have posted: every program waits for its row's slowest
-part with nothing in flight. With ``WAIT_LAG`` (tried first) program i first writes part i - lag,
-the lag sized so that the parts read in between span that share of L2 (and at least a row's
-parts): its row was read by programs started well before, so it rarely waits, and only for
-programs started before it. A program that has polled ``SPIN_POLLS`` times reduces the whole row
+per-row counter (kept between calls: no memset launch); and writes a part, reading it again from L2,
+once that part's row has been counted whole. With ``WAIT_LAG`` 0 that is its own part, after the
+row's other parts (its neighbours, which a GPU starts together) have posted: every program waits for
+its row's slowest part with nothing in flight. With ``WAIT_LAG`` (tried first) program i first
+writes part i - lag, the lag sized so that the parts read in between span that share of L2 (and at
+least a row's parts): its row was read by programs started well before, so it rarely waits, and only
+for programs started before it. A program that has polled ``SPIN_POLLS`` times reduces the whole row
 itself, in small chunks, for itself alone, so no schedule deadlocks; the CPU interpreter runs one
 program at a time, in order. On the H100 (``bench/results/waiting_counters.md``) GroupNorm's rows
-ran in 0.1085 ms lagged (28 % of L2, parts of 8192 columns, 48 registers a thread) against 0.1266
-ms unlagged, 0.153 ms in two launches and 0.185 ms for ``torch.compile``: 84 % of the calibrated
-copy bandwidth in the suite's run (``suite_h100.md``, where L2 is at 91 % of its peak). Where every chunk is whole
-(``EVEN_COLS``) the kernels drop the column mask, where a GroupNorm block never straddles two
-channels (``ONE_CHANNEL``) the per-column channel select, and where no operand reaches 2**31
+ran in 0.1085 ms lagged (28 % of L2, parts of 8192 columns, 48 registers a thread) against 0.1266 ms
+unlagged, 0.153 ms in two launches and 0.185 ms for ``torch.compile``: 84 % of the calibrated copy
+bandwidth in the suite's run (``suite_h100.md``, where L2 is at 91 % of its peak). Where every chunk
+is whole (``EVEN_COLS``) the kernels drop the column mask, where a GroupNorm block never straddles
+two channels (``ONE_CHANNEL``) the per-column channel select, and where no operand reaches 2**31
 elements (``OFF64`` false) they compute offsets in 32 bits: together with the fallback's smaller
 chunks, that took GroupNorm's parts of 8192 columns from 108-110 registers to 48.
 
