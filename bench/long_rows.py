@@ -38,10 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from split_rows import WORK, rel_error, row_setup, run_suite  # noqa: E402
+from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
 
 from kernelcrew.agents.playbook.rowwise import generate_rowwise, splittable, tuning_space  # noqa: E402
-from kernelcrew.task import import_source  # noqa: E402
 from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
 
 TASKS = [
@@ -110,12 +109,7 @@ def run_task(path: Path, sms: int) -> dict:
         for i, params in enumerate(configs):
             entry = {"params": params, "variants": {}}
             for name, text in variants(generate_rowwise(analysis, plan, params), plan, sms).items():
-                # Triton reads a kernel's source from its file
-                file = WORK / f"long_{path.stem}_{i}_{name}.py"
-                file.write_text(text)
-                module = import_source(text, file.stem, str(file))
-                new = module.ModelNew(*task.get_init_inputs()).cuda()
-                new.load_state_dict(model.state_dict())
+                _module, new = build_candidate(text, f"long_{path.stem}_{i}_{name}", task, model)
                 entry["variants"][name] = {"rel_error": rel_error(new(*fresh), golden)}
                 callables[f"{i}/{name}"] = lambda xs, new=new: new(*xs)
             row["configs"].append(entry)

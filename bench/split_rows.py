@@ -40,6 +40,17 @@ WORK = Path(tempfile.mkdtemp(prefix="split_rows_"))
 REPEATS = 5  # do_bench medians per variant; the spread is over these
 
 
+def build_candidate(text: str, stem: str, task, model):
+    """Candidate source ``text`` imported from ``WORK/<stem>.py`` (Triton reads a kernel's source
+    from its file), and its ``ModelNew`` on the GPU with ``model``'s weights."""
+    file = WORK / f"{stem}.py"
+    file.write_text(text)
+    module = import_source(text, file.stem, str(file))
+    new = module.ModelNew(*task.get_init_inputs()).cuda()
+    new.load_state_dict(model.state_dict())
+    return module, new
+
+
 def bench(fn) -> dict[str, float]:
     runs = [triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(REPEATS)]
     return {"median_ms": statistics.median(runs), "min_ms": min(runs), "max_ms": max(runs)}
@@ -119,12 +130,7 @@ def run_task(path: Path, sms: int) -> dict:
             candidate = generate_rowwise(analysis, plan, params)
             entry = {"params": params, "variants": {}}
             for name, text in variants(candidate, sms).items():
-                # Triton reads a kernel's source from its file
-                file = WORK / f"split_{path.stem}_{i}_{name}.py"
-                file.write_text(text)
-                module = import_source(text, file.stem, str(file))
-                new = module.ModelNew(*task.get_init_inputs()).cuda()
-                new.load_state_dict(model.state_dict())
+                _module, new = build_candidate(text, f"split_{path.stem}_{i}_{name}", task, model)
                 out = new(*fresh)
                 err = rel_error(out, golden)
                 timing = bench(lambda new=new: new(*inputs))

@@ -18,6 +18,7 @@ columns, lag 28) and with an unlagged one. Writes ``waiting_graphs.json`` and ``
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,11 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from split_rows import WORK, rel_error, row_setup, run_suite  # noqa: E402
+from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
 from waiting_rows import TASKS  # noqa: E402
 
 from kernelcrew.agents.playbook import rowwise  # noqa: E402
-from kernelcrew.task import import_source  # noqa: E402
 
 CONFIGS = {
     "lag28_8192": {"WAIT_PART": 8192, "WAIT_LAG": 28},
@@ -58,11 +58,7 @@ def run_task(path: Path, sms: int) -> dict:
     row = {"task": path.stem, "configs": {}}
     for name, extra in CONFIGS.items():
         text = rowwise.generate_rowwise(analysis, plan, {**base, **extra})
-        file = WORK / f"graphs_{path.stem}_{name}.py"
-        file.write_text(text)
-        module = import_source(text, file.stem, str(file))
-        new = module.ModelNew(*task.get_init_inputs()).cuda()
-        new.load_state_dict(model.state_dict())
+        module, new = build_candidate(text, f"graphs_{path.stem}_{name}", task, model)
         eager = [error(new, fresh(s)) for _ in range(CALLS) for s in (shape, half)]
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
@@ -134,8 +130,6 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    import os
-
     run_suite(
         "waiting_graphs", TASKS, run_task, markdown, commit=os.environ.get("KERNELCREW_COMMIT", "unknown")
     )

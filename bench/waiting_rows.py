@@ -33,10 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from split_rows import WORK, rel_error, row_setup, run_suite  # noqa: E402
+from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
 
 from kernelcrew.agents.playbook import rowwise  # noqa: E402
-from kernelcrew.task import import_source  # noqa: E402
 from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
 
 TASKS = [ROOT / "bench/suite/groupnorm_silu_fp16.py", ROOT / "bench/kb/groupnorm_silu_unet_bf16.py"]
@@ -98,12 +97,7 @@ def time_generated(path: Path, gens: dict[str, object], configs_of, prefix: str)
             for name, params in configs_of(gen, plan).items():
                 text = gen.generate_rowwise(analysis, plan, params)
                 key = f"{label}/{name}"
-                # Triton reads a kernel's source from its file
-                file = WORK / f"{prefix}_{path.stem}_{label}_{name}.py"
-                file.write_text(text)
-                module = import_source(text, file.stem, str(file))
-                new = module.ModelNew(*task.get_init_inputs()).cuda()
-                new.load_state_dict(model.state_dict())
+                module, new = build_candidate(text, f"{prefix}_{path.stem}_{label}_{name}", task, model)
                 entry = {"params": params, "rel_error": rel_error(new(*fresh), golden)}
                 entry["kernels"] = kernel_registers(module)
                 row["candidates"][key] = entry
