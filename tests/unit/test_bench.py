@@ -81,7 +81,8 @@ def test_a_gpu_suite_is_measured_against_this_gpus_calibrated_bandwidth(tmp_path
         calls.append(hardware["model"])
         path = roofline.calibration_path(hardware["model"], settings)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"model": "h100-sxm", "measured": {"dram_gbs": 2956.3, "compute": {}}}))
+        record = {"model": "h100-sxm", "version": roofline.CALIBRATION_VERSION}
+        path.write_text(json.dumps({**record, "measured": {"dram_gbs": 2956.3, "compute": {}}}))
 
     monkeypatch.setattr(roofline, "calibrate", calibrate)
     quiet = Console(file=io.StringIO())

@@ -57,6 +57,7 @@ def test_calibration_is_preferred_over_the_datasheet(tmp_path):
         json.dumps(
             {
                 "model": "h100-sxm",
+                "version": roofline.CALIBRATION_VERSION,
                 "device_name": "NVIDIA H100 80GB HBM3",
                 "measured_at": "2026-11-22",
                 "measured": {"dram_gbs": 2950.0, "l2_gbs": 9000.0, "compute": {"fp16": 730.0}},
@@ -70,6 +71,58 @@ def test_calibration_is_preferred_over_the_datasheet(tmp_path):
     assert peaks.basis == "calibrated"  # over this model's own datasheet: nothing more to say
     path.write_text("{not json")  # a corrupt file is ignored, not fatal
     assert roofline.peaks_for(H100, s).basis == "datasheet"
+
+
+def test_a_calibration_of_an_older_method_is_measured_again(tmp_path):
+    """Version 1 timed the host's launch gap with each copy (its bandwidth read low): a stored
+    record without the current version is not used, so the bench calibrates again."""
+    s = Settings(data_dir=tmp_path)
+    path = roofline.calibration_path("h100-sxm", s)
+    path.parent.mkdir(parents=True)
+    record = {"model": "h100-sxm", "measured": {"dram_gbs": 2903.0, "compute": {}}}
+    path.write_text(json.dumps(record))
+    assert roofline.load_calibration("h100-sxm", s) is None
+    assert roofline.peaks_for(H100, s).basis == "datasheet"
+    path.write_text(json.dumps({**record, "version": roofline.CALIBRATION_VERSION}))
+    assert roofline.load_calibration("h100-sxm", s)["measured"]["dram_gbs"] == 2903.0
+
+
+def test_each_timed_calibration_rep_queues_a_lead_before_its_start_event():
+    """The host launches a rep's work while the device spins, so the events time the device alone
+    (without the lead the H100's copy figure counted a 28 us launch gap)."""
+    log, made = [], []
+
+    class FakeEvent:  # made in pairs: start, end
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.name = ("start", "end")[len(made) % 2]
+            made.append(self)
+
+        def record(self):
+            log.append(f"{self.name} recorded")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    class Cuda:
+        Event = FakeEvent
+
+        @staticmethod
+        def synchronize():
+            log.append("sync")
+
+        @staticmethod
+        def _sleep(cycles):
+            log.append(f"lead {cycles}")
+
+    times = roofline.timed_reps(lambda: log.append("work"), 2, Cuda)
+    assert times == [0.002, 0.002]
+    lead = f"lead {roofline._LEAD_CYCLES}"
+    rep = [lead, "start recorded", "work", "end recorded"]
+    assert log == ["work"] * 3 + ["sync"] + rep + rep
 
 
 def test_floor_is_the_larger_of_memory_and_compute_time(tmp_path):
