@@ -89,7 +89,7 @@ def test_a_calibration_of_an_older_method_is_measured_again(tmp_path):
 
 def test_each_timed_calibration_rep_queues_a_lead_before_its_start_event():
     """The host launches a rep's work while the device spins, so the events time the device alone
-    (without the lead the H100's copy figure counted a 28 us launch gap)."""
+    (without it the H100's copy figure also counted the host's launch gap)."""
     log, made = [], []
 
     class FakeEvent:  # made in pairs: start, end
