@@ -32,22 +32,6 @@ REPS = 20
 ROUNDS = 3
 
 
-def timed_without_lead(fn, n: int) -> list[float]:
-    """Version 1's reps: the start event is recorded on an idle device, then the work is launched."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3)
-    return sorted(out)
-
-
 def host_us(fn) -> float:
     """Median host time to launch ``fn`` (no synchronize inside), microseconds."""
     times = []
@@ -77,7 +61,7 @@ def main() -> None:
             1e12,
         )
     ways = {
-        "without lead (version 1)": timed_without_lead,
+        "without lead (version 1)": lambda fn, r: timed_reps(fn, r, torch.cuda, lead_cycles=0),
         "with lead (version 2)": lambda fn, r: timed_reps(fn, r, torch.cuda),
     }
     rows = []

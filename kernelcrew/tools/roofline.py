@@ -330,20 +330,21 @@ def calibrate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     }
 
 
-def timed_reps(fn: Any, n: int, cuda: Any) -> list[float]:
+def timed_reps(fn: Any, n: int, cuda: Any, lead_cycles: int = _LEAD_CYCLES) -> list[float]:
     """Seconds of ``n`` timed reps of ``fn`` (sorted) after 3 untimed ones, by CUDA events. Each rep
-    queues a lead (``_sleep``, a device spin) before its start event, so that the host launches
-    ``fn``'s work while the device spins and the events time the device, not the launch gap (the
-    timing protocol's lead, :mod:`kernelcrew.tools.timing`). ``cuda`` is ``torch.cuda``."""
+    queues a lead (``_sleep`` of ``lead_cycles``, a device spin) before its start event, so that the
+    host launches ``fn``'s work while the device spins and the events time the device, not the
+    launch gap (the timing protocol's lead, :mod:`kernelcrew.tools.timing`). ``cuda`` is
+    ``torch.cuda``; ``lead_cycles`` 0 times as version 1 of the calibration did."""
     for _ in range(3):
         fn()
     cuda.synchronize()
-    sleep = getattr(cuda, "_sleep", None)
+    sleep = getattr(cuda, "_sleep", None) if lead_cycles else None
     out = []
     for _ in range(n):
         start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
         if sleep is not None:
-            sleep(_LEAD_CYCLES)
+            sleep(lead_cycles)
         start.record()
         fn()
         end.record()

@@ -123,6 +123,9 @@ def test_each_timed_calibration_rep_queues_a_lead_before_its_start_event():
     lead = f"lead {roofline._LEAD_CYCLES}"
     rep = [lead, "start recorded", "work", "end recorded"]
     assert log == ["work"] * 3 + ["sync"] + rep + rep
+    log.clear()  # lead_cycles 0: version 1's reps (bench/calibration_lead.py times both)
+    roofline.timed_reps(lambda: log.append("work"), 1, Cuda, lead_cycles=0)
+    assert log == ["work"] * 3 + ["sync", "start recorded", "work", "end recorded"]
 
 
 def test_floor_is_the_larger_of_memory_and_compute_time(tmp_path):
