@@ -1,0 +1,272 @@
+"""GroupNorm's parts held on chip: a persistent kernel whose programs keep a part in registers.
+
+``groupnorm_silu_fp16``'s answer (``rowwise``'s waiting parts, ``WAIT_LAG``) reads each part from
+DRAM, posts its statistics and reads it again from L2 to write it, once its row is whole: L2 is
+the limit of that kernel (``suite_h100.md``). This script times the other way, the re-read
+removed: a persistent launch of programs that each walk parts ``pid, pid + P, ...`` (P programs),
+load a part, post its statistics and keep it in registers, and write it one step later, when its
+row has posted (``post_first``: after posting the next part; ``write_first``: before). Every
+program must be resident at once, or a program waits for one that cannot start: the script reads
+each compiled kernel's registers and runs only the programs per SM that fit (all of them, and
+half); a program that has polled ``SPIN`` times reduces the row itself, so none deadlocks.
+
+The kernel is written for this task (contiguous NCHW, a part within one channel), beside the
+suite's answer, both checked against a float64 reference on fresh inputs and timed by the crew's
+protocol in one call. Writes ``held_parts.json`` and ``.md``.
+
+    python bench/held_parts.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
+from waiting_rows import kernel_registers  # noqa: E402
+
+from kernelcrew.agents.playbook import rowwise  # noqa: E402
+from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
+
+TASK = ROOT / "bench/suite/groupnorm_silu_fp16.py"
+#: the suite's answer (suite_h100_runs/groupnorm_silu_fp16/report.json)
+BEST = {"MAX_SINGLE": 16384, "CHUNK": 8192, "TILE": 4096, "num_warps": 4, "WAIT_PART": 8192, "WAIT_LAG": 28}
+SHAPES = ((2048, 4), (4096, 4), (4096, 8), (8192, 8))  # (columns a part, warps)
+SPIN = 1 << 14
+TIMING = TimingConfig(min_reps=60, max_reps=300, max_time_s=60.0)
+
+
+@triton.jit
+def held_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, posted_ptr, n_rows, n_cols, groups, cpg, hw, eps, target,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, WRITE_FIRST: tl.constexpr, SPIN: tl.constexpr,
+):  # fmt: skip
+    """Program ``pid`` loads part ``pid``, then each step loads part ``nxt`` (``P`` further on),
+    posts its mean and squared deviations (and counts it in its row's ``posted``) and writes the
+    part it holds once that part's row has counted ``target`` (the order per ``WRITE_FIRST``)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = n_rows * SPLITS
+    offs = tl.arange(0, BLOCK)
+    flat = pid
+    xh = tl.load(x_ptr + flat.to(tl.int64) * BLOCK + offs, mask=offs < tl.where(flat < total, BLOCK, 0))
+    nxt = flat
+    xn = xh
+    steps = (total - pid + nprog - 1) // nprog  # parts of this program; the last step only writes
+    for step in range(0, steps + 1):
+        if step > 0:
+            nxt = pid + step * nprog
+            xn = tl.load(x_ptr + nxt.to(tl.int64) * BLOCK + offs, mask=offs < tl.where(nxt < total, BLOCK, 0))
+        for phase in tl.static_range(2):
+            if (phase == 0) == WRITE_FIRST:
+                if step > 0:  # write the part held since the last step
+                    row = flat // SPLITS
+                    seen = tl.atomic_add(posted_ptr + row, 0, sem="acquire")
+                    polls = 0
+                    while (seen < target) & (polls < SPIN):
+                        seen = tl.atomic_add(posted_ptr + row, 0, sem="acquire")
+                        polls += 1
+                    if seen < target:  # not all posted after SPIN polls: reduce the whole row here
+                        acc = tl.zeros([BLOCK], tl.float32)
+                        for s in range(0, n_cols, BLOCK):
+                            acc += tl.load(x_ptr + row.to(tl.int64) * n_cols + s + offs).to(tl.float32)
+                        mean = tl.sum(acc) / n_cols
+                        acc = tl.zeros([BLOCK], tl.float32)
+                        for s in range(0, n_cols, BLOCK):
+                            d = tl.load(x_ptr + row.to(tl.int64) * n_cols + s + offs).to(tl.float32) - mean
+                            acc += d * d
+                        var = tl.sum(acc) / n_cols
+                    else:  # Chan's merge of the parts' (mean, squared deviations), equal counts
+                        parts = tl.arange(0, SPLITS)
+                        means = tl.load(ws_ptr + (row * SPLITS + parts) * 2)
+                        m2s = tl.load(ws_ptr + (row * SPLITS + parts) * 2 + 1)
+                        mean = tl.sum(means) / SPLITS
+                        dm = means - mean
+                        var = (tl.sum(m2s) + BLOCK * tl.sum(dm * dm)) / n_cols
+                    ch = (row % groups) * cpg + (flat % SPLITS) * BLOCK // hw
+                    scale = tl.rsqrt(var + eps) * tl.load(w_ptr + ch).to(tl.float32)
+                    y = (xh.to(tl.float32) - mean) * scale + tl.load(b_ptr + ch).to(tl.float32)
+                    y = y / (1.0 + tl.exp(-y))  # SiLU
+                    dst = y_ptr + flat.to(tl.int64) * BLOCK + offs
+                    tl.store(dst, y.to(y_ptr.dtype.element_ty), cache_modifier=".cs")
+            else:
+                if nxt < total:  # post the part just loaded
+                    xf = xn.to(tl.float32)
+                    m = tl.sum(xf) / BLOCK
+                    d = xf - m
+                    tl.store(ws_ptr + nxt * 2, m)
+                    tl.store(ws_ptr + nxt * 2 + 1, tl.sum(d * d))
+                    tl.atomic_add(posted_ptr + nxt // SPLITS, 1, sem="release")
+        xh = xn
+        flat = nxt
+
+
+def resident(regs: int, warps: int, shared: int, props) -> int:
+    """Programs of a kernel that fit on one SM at once: registers (allocated per warp in 256s),
+    warps, blocks and shared memory."""
+    per_warp = -(-regs * 32 // 256) * 256
+    fits = min(getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps), 64 // warps, 32)
+    if shared:
+        fits = min(fits, getattr(props, "shared_memory_per_multiprocessor", 233472) // shared)
+    return fits
+
+
+def launch(norm, x, block, warps, per_sm, write_first, state):
+    """Run the held kernel on ``x`` with ``per_sm`` programs per SM (its counters in ``state``)."""
+    n, c = x.shape[:2]
+    hw = x[0, 0].numel()
+    groups = norm.num_groups
+    n_rows, n_cols = n * groups, c // groups * hw
+    assert x.is_contiguous() and hw % block == 0, "a part within one channel"
+    splits = n_cols // block
+    grid = min(per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count, n_rows * splits)
+    if state.get("rows") != n_rows:
+        state.update(rows=n_rows, calls=0, posted=torch.zeros(n_rows, dtype=torch.int64, device=x.device))
+    state["calls"] += 1  # each call adds SPLITS to every row's count
+    ws = torch.empty(n_rows * splits * 2, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x)
+    args = (
+        x,
+        norm.weight,
+        norm.bias,
+        y,
+        ws,
+        state["posted"],
+        n_rows,
+        n_cols,
+        groups,
+        c // groups,
+        hw,
+        norm.eps,
+    )
+    held_kernel[(grid,)](
+        *args,
+        state["calls"] * splits,
+        SPLITS=splits,
+        BLOCK=block,
+        WRITE_FIRST=write_first,
+        SPIN=SPIN,
+        num_warps=warps,
+    )
+    return y
+
+
+def compiled(norm, x, block, warps, write_first):
+    n, c = x.shape[:2]
+    hw = x[0, 0].numel()
+    n_rows, n_cols = n * norm.num_groups, c // norm.num_groups * hw
+    splits = n_cols // block
+    args = (
+        x,
+        norm.weight,
+        norm.bias,
+        x,
+        x,
+        x,
+        n_rows,
+        n_cols,
+        norm.num_groups,
+        c // norm.num_groups,
+        hw,
+        norm.eps,
+        1,
+    )
+    kernel = held_kernel.warmup(
+        *args, SPLITS=splits, BLOCK=block, WRITE_FIRST=write_first, SPIN=SPIN, num_warps=warps, grid=(1,)
+    )
+    kernel._init_handles()
+    return kernel
+
+
+def run_task(path: Path, sms: int) -> dict:
+    analysis, plan, task, model, ref64, inputs, fresh = row_setup(path)
+    props = torch.cuda.get_device_properties(0)
+    x = inputs[0]
+    nbytes = 2 * x.numel() * x.element_size()
+    text = rowwise.generate_rowwise(analysis, plan, BEST)
+    module, best = build_candidate(text, "held_parts_best", task, model)
+    row = {"task": path.stem, "bytes": nbytes, "best_params": BEST, "candidates": {}}
+    with torch.no_grad():
+        golden = ref64(*[t.double() for t in fresh])
+        callables = {"waiting parts (the answer)": lambda xs: best(*xs)}
+        err = rel_error(best(*fresh), golden)
+        (regs,) = kernel_registers(module)
+        row["candidates"]["waiting parts (the answer)"] = {
+            "regs": regs["regs"],
+            "spills": regs["spills"],
+            "rel_error": err,
+        }
+        for block, warps in SHAPES:
+            for write_first in (False, True):
+                kernel = compiled(model.norm, x, block, warps, write_first)
+                fits = resident(kernel.n_regs, warps, kernel.metadata.shared, props)
+                for per_sm in sorted({fits, max(1, fits // 2)}):
+                    name = f"held {block} cols, {warps} warps, {per_sm}/SM, {'write' if write_first else 'post'} first"
+                    state: dict = {}
+                    err = rel_error(
+                        launch(model.norm, fresh[0], block, warps, per_sm, write_first, state), golden
+                    )
+                    row["candidates"][name] = {
+                        "block": block,
+                        "warps": warps,
+                        "per_sm": per_sm,
+                        "resident_per_sm": fits,
+                        "write_first": write_first,
+                        "regs": kernel.n_regs,
+                        "spills": kernel.n_spills,
+                        "rel_error": err,
+                    }
+                    callables[name] = lambda xs, a=(block, warps, per_sm, write_first), s=state: launch(
+                        model.norm, xs[0], *a, s
+                    )
+                    print(name, row["candidates"][name], flush=True)
+        timing = measure(callables, [inputs], device="cuda", config=TIMING)["results"]
+    for name, entry in row["candidates"].items():
+        entry.update({k: timing[name][k] for k in ("median_ms", "p10_ms", "p90_ms", "reps")})
+        print(f"{name}: {entry['median_ms']:.4f} ms", flush=True)
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# GroupNorm's parts held in registers by persistent programs, against the waiting parts",
+        "",
+        f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
+        f"Triton {result['versions']['triton']}; commit {result['commit']}. `python bench/held_parts.py`, "
+        "timed by the crew's protocol (`kernelcrew.tools.timing.measure`: every candidate interleaved, L2 "
+        "flushed before each call, CUDA events; ms is the median [p10-p90]). TB/s counts the input read once "
+        "and the output written once. Resident: the programs per SM that the kernel's registers allow.",
+        "",
+    ]
+    for row in result["rows"]:
+        gb = row["bytes"] / 1e9
+        lines += [
+            f"## {row['task']} ({row['bytes'] / 1e6:.0f} MB moved at least)",
+            "",
+            "| candidate | ms [p10-p90] | TB/s | registers (spills) | resident / SM | rel. error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, c in row["candidates"].items():
+            lines.append(
+                f"| {name} | {c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}] | "
+                f"{gb / c['median_ms']:.2f} | {c['regs']} ({c['spills']}) | {c.get('resident_per_sm', '')} | {c['rel_error']:.1e} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    run_suite("held_parts", [TASK], run_task, markdown, commit=os.environ.get("KERNELCREW_COMMIT", "unknown"))
+
+
+if __name__ == "__main__":
+    main()
