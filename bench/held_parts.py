@@ -260,7 +260,17 @@ def markdown(result: dict) -> str:
                 f"| {name} | {c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}] | "
                 f"{gb / c['median_ms']:.2f} | {c['regs']} ({c['spills']}) | {c.get('resident_per_sm', '')} | {c['rel_error']:.1e} |"
             )
-        lines.append("")
+        held = {k: c for k, c in row["candidates"].items() if k.startswith("held")}
+        fastest = min(held, key=lambda k: held[k]["median_ms"])
+        answer = row["candidates"]["waiting parts (the answer)"]["median_ms"]
+        regs = sorted(c["regs"] for c in held.values())
+        lines += [
+            "",
+            f"Fastest held: {fastest}, {held[fastest]['median_ms']:.4f} ms, "
+            f"{held[fastest]['median_ms'] / answer:.2f}x the waiting parts' time. Holding a part across a "
+            f"step takes {regs[0]}-{regs[-1]} registers a thread, so few programs fit on an SM.",
+            "",
+        ]
     return "\n".join(lines)
 
 
