@@ -132,7 +132,7 @@ __device__ __forceinline__ void write_slice(const uint4 (&v)[VECS], __half* y, c
     for (int j = 0; j < 4; j++) {
       float2 f = __half22float2(h[j]);
       float a = f.x * sc + sh, c = f.y * sc + sh;
-      oh[j] = __floats2half2_rn(a / (1.f + __expf(-a)), c / (1.f + __expf(-c)));
+      oh[j] = __floats2half2_rn(__fdividef(a, 1.f + __expf(-a)), __fdividef(c, 1.f + __expf(-c)));
     }
     __stcs(dst + i * THREADS + threadIdx.x, o);
   }
