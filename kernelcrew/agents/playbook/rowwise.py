@@ -71,7 +71,9 @@ itself, in small chunks, for itself alone, so no schedule deadlocks; the CPU int
 program at a time, in order. On the H100 (``bench/results/waiting_counters.md``) GroupNorm's rows
 ran in 0.1085 ms lagged (28 % of L2, parts of 8192 columns, 48 registers a thread) against 0.1266 ms
 unlagged, 0.153 ms in two launches and 0.185 ms for ``torch.compile``: 82 % of the calibrated copy
-bandwidth in the suite's run (``suite_h100.md``, where L2 is at 91 % of its peak). Where every chunk
+bandwidth in the suite's run (``suite_h100.md``, where L2 is at 91 % of its peak). Rows kept on chip
+instead ran slower: a CUDA C++ thread-block cluster per row, its statistics merged through
+distributed shared memory, 1.10x at best (``cluster_rows.md``). Where every chunk
 is whole (``EVEN_COLS``) the kernels drop the column mask, where a GroupNorm block never straddles
 two channels (``ONE_CHANNEL``) the per-column channel select, and where no operand reaches 2**31
 elements (``OFF64`` false) they compute offsets in 32 bits: together with the fallback's smaller
