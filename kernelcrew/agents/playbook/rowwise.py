@@ -1579,7 +1579,7 @@ class _KernelWriter:
         read by programs started well before it, then reduces its own: it rarely waits, and only
         for programs started before it (bench/results/waiting_rows.md; writing after reducing ran
         slower in a scratch prototype). Holding a part in registers across the wait instead
-        (persistent programs that write each part one step after reading it) took 70-125
+        (persistent programs that write each part one step after reading it) took 66-124
         registers a thread and ran 1.40x slower at best (bench/results/held_parts.md).
 
         After ``spin`` polls a program reduces the whole row itself, in chunks of an eighth of a
