@@ -32,11 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from held_parts import BEST, TIMING  # noqa: E402
-from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
-
-from kernelcrew.agents.playbook import rowwise  # noqa: E402
-from kernelcrew.tools.timing import measure  # noqa: E402
+from held_parts import against_answer_markdown, answer_row, time_row  # noqa: E402
+from split_rows import rel_error, run_suite  # noqa: E402
 
 TASK = ROOT / "bench/suite/groupnorm_silu_fp16.py"
 #: (CTAs a cluster, threads a CTA, persistent)
@@ -226,27 +223,12 @@ def run_task(path: Path, sms: int) -> dict:
     ext = load_inline(
         "cluster_rows", CPP, cuda_sources=CUDA, functions=["group_norm_silu"], extra_cuda_cflags=["-O3"]
     )
-    analysis, plan, task, model, ref64, inputs, fresh = row_setup(path)
-    x = inputs[0]
+    model, inputs, fresh, golden, _module, row, callables = answer_row(path, "cluster_rows_best")
     norm = model.norm
-    _module, best = build_candidate(
-        rowwise.generate_rowwise(analysis, plan, BEST), "cluster_rows_best", task, model
-    )
-    row = {
-        "task": path.stem,
-        "bytes": 2 * x.numel() * x.element_size(),
-        "best_params": BEST,
-        "candidates": {},
-    }
-    copy_dst = torch.empty_like(x)
-    callables = {
-        "waiting parts (the answer)": lambda xs: best(*xs),
-        "copy of the same bytes": lambda xs: copy_dst.copy_(xs[0]),
-    }
+    copy_dst = torch.empty_like(inputs[0])
+    callables["copy of the same bytes"] = lambda xs: copy_dst.copy_(xs[0])
+    row["candidates"]["copy of the same bytes"] = {"rel_error": None}
     with torch.no_grad():
-        golden = ref64(*[t.double() for t in fresh])
-        row["candidates"]["waiting parts (the answer)"] = {"rel_error": rel_error(best(*fresh), golden)}
-        row["candidates"]["copy of the same bytes"] = {"rel_error": None}
         for cs, threads, persistent in VARIANTS:
             name = f"cluster of {cs}, {threads} threads, {'persistent' if persistent else 'one row'}"
 
@@ -261,47 +243,26 @@ def run_task(path: Path, sms: int) -> dict:
             }
             callables[name] = fn
             print(name, row["candidates"][name], flush=True)
-        timing = measure(callables, [inputs], device="cuda", config=TIMING)["results"]
-    for name, entry in row["candidates"].items():
-        entry.update({k: timing[name][k] for k in ("median_ms", "p10_ms", "p90_ms", "reps")})
-        print(f"{name}: {entry['median_ms']:.4f} ms", flush=True)
-    return row
+    return time_row(row, callables, inputs)
 
 
 def markdown(result: dict) -> str:
-    lines = [
-        "# GroupNorm's rows held by thread-block clusters (CUDA C++), against the waiting parts",
-        "",
-        f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
-        f"Triton {result['versions']['triton']}; commit {result['commit']}. `python bench/cluster_rows.py`, "
-        "timed by the crew's protocol (`kernelcrew.tools.timing.measure`: every candidate interleaved, L2 "
-        "flushed before each call, CUDA events; ms is the median [p10-p90]). TB/s counts the input read once "
-        "and the output written once; the copy moves the same bytes.",
-        "",
-    ]
-    for row in result["rows"]:
-        gb = row["bytes"] / 1e9
-        lines += [
-            f"## {row['task']} ({row['bytes'] / 1e6:.0f} MB moved at least)",
-            "",
-            "| candidate | ms [p10-p90] | TB/s | rel. error |",
-            "|---|---|---|---|",
-        ]
-        for name, c in row["candidates"].items():
-            err = "" if c["rel_error"] is None else f"{c['rel_error']:.1e}"
-            lines.append(
-                f"| {name} | {c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}] | {gb / c['median_ms']:.2f} | {err} |"
-            )
+    def closing(row: dict, answer: float) -> str:
         clusters = {k: c for k, c in row["candidates"].items() if k.startswith("cluster")}
         fastest = min(clusters, key=lambda k: clusters[k]["median_ms"])
-        answer = row["candidates"]["waiting parts (the answer)"]["median_ms"]
-        lines += [
-            "",
+        return (
             f"Fastest cluster kernel: {fastest}, {clusters[fastest]['median_ms']:.4f} ms, "
-            f"{clusters[fastest]['median_ms'] / answer:.2f}x the waiting parts' time.",
-            "",
-        ]
-    return "\n".join(lines)
+            f"{clusters[fastest]['median_ms'] / answer:.2f}x the waiting parts' time."
+        )
+
+    return against_answer_markdown(
+        result,
+        "GroupNorm's rows held by thread-block clusters (CUDA C++), against the waiting parts",
+        "cluster_rows.py",
+        "; the copy moves the same bytes.",
+        {},
+        closing,
+    )
 
 
 def main() -> None:

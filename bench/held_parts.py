@@ -159,24 +159,73 @@ def launch(norm, x, block, warps, per_sm, write_first, state, grid=None):
     return y
 
 
-def run_task(path: Path, sms: int) -> dict:
+ANSWER = "waiting parts (the answer)"
+
+
+def answer_row(path: Path, stem: str):
+    """The task's setup and the suite's answer beside it: ``(model, inputs, fresh, golden, module,
+    row, callables)``, the answer checked against the float64 reference on fresh inputs (``row``'s
+    first candidate) and timed as ``callables``' first."""
     analysis, plan, task, model, ref64, inputs, fresh = row_setup(path)
-    props = torch.cuda.get_device_properties(0)
     x = inputs[0]
-    nbytes = 2 * x.numel() * x.element_size()
-    text = rowwise.generate_rowwise(analysis, plan, BEST)
-    module, best = build_candidate(text, "held_parts_best", task, model)
-    row = {"task": path.stem, "bytes": nbytes, "best_params": BEST, "candidates": {}}
+    module, best = build_candidate(rowwise.generate_rowwise(analysis, plan, BEST), stem, task, model)
     with torch.no_grad():
         golden = ref64(*[t.double() for t in fresh])
-        callables = {"waiting parts (the answer)": lambda xs: best(*xs)}
         err = rel_error(best(*fresh), golden)
-        (regs,) = kernel_registers(module)
-        row["candidates"]["waiting parts (the answer)"] = {
-            "regs": regs["regs"],
-            "spills": regs["spills"],
-            "rel_error": err,
-        }
+    row = {"task": path.stem, "bytes": 2 * x.numel() * x.element_size(), "best_params": BEST}
+    row["candidates"] = {ANSWER: {"rel_error": err}}
+    return model, inputs, fresh, golden, module, row, {ANSWER: lambda xs: best(*xs)}
+
+
+def time_row(row: dict, callables: dict, inputs: list) -> dict:
+    """Time every callable in one ``measure`` call and add the figures to ``row``'s candidates."""
+    with torch.no_grad():
+        timing = measure(callables, [inputs], device="cuda", config=TIMING)["results"]
+    for name, entry in row["candidates"].items():
+        entry.update({k: timing[name][k] for k in ("median_ms", "p10_ms", "p90_ms", "reps")})
+        print(f"{name}: {entry['median_ms']:.4f} ms", flush=True)
+    return row
+
+
+def against_answer_markdown(result: dict, title: str, script: str, note: str, columns: dict, closing) -> str:
+    """The table of a script that times kernels against the answer: a row per candidate, with the
+    extra ``columns`` (header: cell of a candidate) before the error, and per task the line
+    ``closing(row, answer_ms)``."""
+    lines = [
+        f"# {title}",
+        "",
+        f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
+        f"Triton {result['versions']['triton']}; commit {result['commit']}. `python bench/{script}`, "
+        "timed by the crew's protocol (`kernelcrew.tools.timing.measure`: every candidate interleaved, L2 "
+        "flushed before each call, CUDA events; ms is the median [p10-p90]). TB/s counts the input read once "
+        f"and the output written once{note}",
+        "",
+    ]
+    header = ["candidate", "ms [p10-p90]", "TB/s", *columns, "rel. error"]
+    for row in result["rows"]:
+        gb = row["bytes"] / 1e9
+        lines += [
+            f"## {row['task']} ({row['bytes'] / 1e6:.0f} MB moved at least)",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+        ]
+        for name, c in row["candidates"].items():
+            err = "" if c["rel_error"] is None else f"{c['rel_error']:.1e}"
+            ms = f"{c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}]"
+            cells = [name, ms, f"{gb / c['median_ms']:.2f}", *(cell(c) for cell in columns.values()), err]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", closing(row, row["candidates"][ANSWER]["median_ms"]), ""]
+    return "\n".join(lines)
+
+
+def run_task(path: Path, sms: int) -> dict:
+    model, inputs, fresh, golden, module, row, callables = answer_row(path, "held_parts_best")
+    props = torch.cuda.get_device_properties(0)
+    x = inputs[0]
+    (regs,) = kernel_registers(module)
+    row["candidates"][ANSWER].update(regs=regs["regs"], spills=regs["spills"])
+    with torch.no_grad():
         for block, warps in SHAPES:
             for write_first in (False, True):
                 kernel = launch(model.norm, x, block, warps, 0, write_first, {}, grid=(1,))
@@ -201,49 +250,31 @@ def run_task(path: Path, sms: int) -> dict:
                         model.norm, xs[0], *a, s
                     )
                     print(name, row["candidates"][name], flush=True)
-        timing = measure(callables, [inputs], device="cuda", config=TIMING)["results"]
-    for name, entry in row["candidates"].items():
-        entry.update({k: timing[name][k] for k in ("median_ms", "p10_ms", "p90_ms", "reps")})
-        print(f"{name}: {entry['median_ms']:.4f} ms", flush=True)
-    return row
+    return time_row(row, callables, inputs)
 
 
 def markdown(result: dict) -> str:
-    lines = [
-        "# GroupNorm's parts held in registers by persistent programs, against the waiting parts",
-        "",
-        f"Device: {result['device']} ({result['sms']} SMs); torch {result['versions']['torch']}, "
-        f"Triton {result['versions']['triton']}; commit {result['commit']}. `python bench/held_parts.py`, "
-        "timed by the crew's protocol (`kernelcrew.tools.timing.measure`: every candidate interleaved, L2 "
-        "flushed before each call, CUDA events; ms is the median [p10-p90]). TB/s counts the input read once "
-        "and the output written once. Resident: the programs per SM that the kernel's registers allow.",
-        "",
-    ]
-    for row in result["rows"]:
-        gb = row["bytes"] / 1e9
-        lines += [
-            f"## {row['task']} ({row['bytes'] / 1e6:.0f} MB moved at least)",
-            "",
-            "| candidate | ms [p10-p90] | TB/s | registers (spills) | resident / SM | rel. error |",
-            "|---|---|---|---|---|---|",
-        ]
-        for name, c in row["candidates"].items():
-            lines.append(
-                f"| {name} | {c['median_ms']:.4f} [{c['p10_ms']:.4f}-{c['p90_ms']:.4f}] | "
-                f"{gb / c['median_ms']:.2f} | {c['regs']} ({c['spills']}) | {c.get('resident_per_sm', '')} | {c['rel_error']:.1e} |"
-            )
+    def closing(row: dict, answer: float) -> str:
         held = {k: c for k, c in row["candidates"].items() if k.startswith("held")}
         fastest = min(held, key=lambda k: held[k]["median_ms"])
-        answer = row["candidates"]["waiting parts (the answer)"]["median_ms"]
         regs = sorted(c["regs"] for c in held.values())
-        lines += [
-            "",
+        return (
             f"Fastest held: {fastest}, {held[fastest]['median_ms']:.4f} ms, "
             f"{held[fastest]['median_ms'] / answer:.2f}x the waiting parts' time. Holding a part across a "
-            f"step takes {regs[0]}-{regs[-1]} registers a thread, so few programs fit on an SM.",
-            "",
-        ]
-    return "\n".join(lines)
+            f"step takes {regs[0]}-{regs[-1]} registers a thread, so few programs fit on an SM."
+        )
+
+    return against_answer_markdown(
+        result,
+        "GroupNorm's parts held in registers by persistent programs, against the waiting parts",
+        "held_parts.py",
+        ". Resident: the programs per SM that the kernel's registers allow.",
+        {
+            "registers (spills)": lambda c: f"{c['regs']} ({c['spills']})",
+            "resident / SM": lambda c: str(c.get("resident_per_sm", "")),
+        },
+        closing,
+    )
 
 
 def main() -> None:
