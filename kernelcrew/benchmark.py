@@ -1,7 +1,6 @@
 """``kernelcrew bench``: ``optimize`` on every task of a suite, one row per task, resumable.
 
-A GPU lease may be shorter than a suite (the device machine here allows 10 minutes per command),
-so the run is sharded by design:
+A suite may take longer than one batch job or CI step may run, so the run is sharded by design:
 
 * every finished task is written to ``OUT/suite.json`` (and ``suite.md``) at once;
 * ``--resume`` skips the tasks that already have a row, so the next command continues;
@@ -9,7 +8,7 @@ so the run is sharded by design:
 * ``--tasks`` picks tasks by name.
 
 Each task runs the whole crew under its own time budget, with its run folder under ``OUT/runs``.
-The row format is the one the issue tracker fixed: ``{"device", "arch", "versions", "rows":
+The table: ``{"device", "arch", "versions", "rows":
 [{"task", "eager_ms", "compile_ms", "best_ms", "speedup_eager", "speedup_compile", "sol_fraction",
 "strategy", "source_kind", "verified", "wall_s"}]}``, plus the status and stop reason per row.
 """
@@ -74,10 +73,9 @@ def row_from_report(task: str, report: dict[str, Any] | None, wall_s: float) -> 
 def roofline_peaks(hw: dict[str, Any], out: Console, settings: Settings | None = None) -> dict[str, Any]:
     """The roofs the suite's SOL column is measured against: this GPU's, calibrated once per model.
 
-    The DRAM floor is taken at the bandwidth a device copy reaches here, not the datasheet's: the
-    datasheet figure is one no kernel reaches (an H100's copy measured 86-89 % of it in the calls of
-    bench/results/suite_h100.json). A calibration already stored for this GPU model is reused, so
-    later shards share it.
+    The DRAM floor is taken at the bandwidth a device copy reaches here, not the datasheet's, which
+    no kernel reaches (a measurement, see docs/benchmarks.md). A calibration already stored for this
+    GPU model is reused, so later shards share it.
     """
     from kernelcrew.tools import roofline
 

@@ -132,7 +132,7 @@ class Settings(BaseSettings):
     )
     replay_file: str = Field("", description='JSON file {"responses": [...]} for the replay backend.')
 
-    # Storage (kernelcrew/knowledge_base/db.py): the knowledge base now, the service's tables later.
+    # Storage (kernelcrew/knowledge_base/db.py): the knowledge base and the service's tables.
     kb_embedding_model: str = Field(
         "",
         description="Embedding model that blends with BM25 in knowledge-base retrieval (OpenAI API, or the "

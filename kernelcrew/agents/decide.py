@@ -20,7 +20,7 @@ from kernelcrew.agents.state import Candidate, CrewState
 
 KIND_RANK = {"kernel": 0, "library": 1, "compiler": 2}
 NOISE = 0.02
-"""Relative gain below which a faster candidate is not better (the timer's spread, measured on H100)."""
+"""Relative gain below which a faster candidate is not better: the timer's spread (see docs/benchmarks.md)."""
 
 
 def is_better(new: Candidate, best: Candidate | None, device: str) -> bool:

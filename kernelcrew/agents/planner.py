@@ -191,9 +191,8 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
 
 
 #: A best under this speedup over torch.compile sends the playbook to the strategies it has not
-#: tried. Nearer, another configuration of the same strategy often closes the gap: in the H100
-#: suite (bench/results/suite_h100_runs) gelu_bias went from 0.94x to 0.99x at its second, and
-#: six tasks' first kernels ran at 0.94-1.00x the compiler, their answers own kernels all.
+#: tried. Nearer, another configuration of the same strategy often closes the gap (a measurement,
+#: see docs/benchmarks.md).
 LOSING_TO_COMPILE = 0.9
 
 
@@ -244,8 +243,8 @@ def expected_seconds(state: CrewState, step: PlanStep) -> float:
 
 
 #: The final report times the best against eager and torch.compile again, as the baseline's
-#: timing phase did; in the H100 suite's 20 runs it took 0.76-1.67x as long as that phase
-#: (bench/results/suite_h100.json's wall_s less each report's elapsed_s).
+#: timing phase did, and takes up to 1.7x as long as that phase (a measurement, see
+#: docs/benchmarks.md).
 FINALIZE_COST = 1.7
 
 

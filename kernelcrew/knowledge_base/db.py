@@ -1,7 +1,7 @@
 """The database every stored part of kernelcrew shares: declarative Base, engines, sessions, migrations.
 
-One database holds the knowledge base now and the service's tables (users, tokens, jobs, events)
-later, in one Alembic history (``kernelcrew/knowledge_base/migrations``, written by hand). The URL
+One database holds the knowledge base and the service's tables (users, tokens, jobs, events), in
+one Alembic history (``kernelcrew/knowledge_base/migrations``, written by hand). The URL
 comes from ``KERNELCREW_DATABASE_URL`` (:func:`kernelcrew.config.resolve_database_url`): empty means
 a SQLite file in the data directory, so the CLI needs nothing running; PostgreSQL goes through
 psycopg 3.

@@ -328,7 +328,7 @@ def preferred_strategies(hits: Iterable[Mapping[str, Any]], task: str | None = N
     With the task's signature line, only wins on the same pattern count: the same ops on the same
     dtypes, at any shape. Which strategy wins turns on both: TF32x3 beats cuBLAS on float32 layers
     and loses to it on float16 ones, and a float16 gated pair that the Triton matmul won says
-    nothing of one float16 layer, where cuBLASLt wins (``bench/results/matmul_epilogue.md``).
+    nothing of one float16 layer, where cuBLASLt wins (measured: see docs/benchmarks.md).
     """
     want = None if task is None else _pattern(task)
     return list(

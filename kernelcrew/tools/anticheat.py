@@ -367,8 +367,7 @@ def snapshot_state(candidate_files: tuple[str, ...] = ()) -> dict[str, Any]:
     ``threads`` counts the live Python threads that run code from ``candidate_files`` (none when
     no file is given: the reference and the compiler alone are timed): libraries the candidate
     legitimately uses, Triton's compiler and Inductor among them, start worker threads of their own,
-    sometimes late (on the H100 a thread of theirs appeared while eager and torch.compile alone
-    were being timed, and failed the baseline of two attention tasks).
+    sometimes late, even while eager and torch.compile alone are being timed.
     """
     import torch
 

@@ -78,7 +78,7 @@ class Tolerance:
     exact: bool = False
 
 
-#: (dtype class, op class or policy) -> (rtol, atol x RMS, L2 floor). Starting values of the issue.
+#: (dtype class, op class or policy) -> (rtol, atol x RMS, L2 floor).
 TOLERANCES: dict[tuple[str, str], tuple[float, float, float]] = {
     ("fp32", "strict"): (1e-4, 1e-4, 1e-5),
     ("fp32", "relaxed"): (5e-3, 5e-3, 2e-3),

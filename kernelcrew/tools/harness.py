@@ -838,7 +838,7 @@ def profile_reference(model: Any, inputs: list[Any], device: str, precision: str
 
 
 #: Device-time entries of the profiler itself, not of the module: CUPTI reports the time it spends
-#: handing out activity buffers as if it were a kernel (seen on the H100 among a LayerNorm's kernels).
+#: handing out activity buffers as if it were a kernel.
 PROFILER_OVERHEAD = frozenset({"Activity Buffer Request"})
 
 

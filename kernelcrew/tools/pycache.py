@@ -1,11 +1,11 @@
 """One bytecode cache for every sandboxed child, filled once per machine by a trusted process.
 
 Each sandboxed child is a fresh interpreter that imports torch (and often Triton, dynamo and
-inductor). Where the installed packages carry no bytecode, as on an environment installed without
-compiling it (the H100 image's torch), every child compiled about 1600 modules from source: 5.9 s of
-the 18.5 s a log_softmax golden child took there under cProfile. Children may not write bytecode
+inductor). Where the installed packages carry no bytecode (an environment installed without
+compiling it), every child would compile about 1600 modules of torch from source, seconds each time
+(a measurement, see docs/benchmarks.md). Children may not write bytecode
 (``PYTHONDONTWRITEBYTECODE``: a candidate must not leave code for the next child to run), so the
-cost came back in every child, about ten per run.
+cost would come back in every child, about ten per run.
 
 :func:`child_prefix` returns a cache tree (``PYTHONPYCACHEPREFIX``) after filling it once: a
 trusted child, with bytecode writes on, imports what the sandboxed children import. The children

@@ -100,8 +100,8 @@ DATASHEET: dict[str, dict[str, Any]] = {
 }
 
 #: The calibration's method; a stored calibration of an older one is measured again. 2: each timed
-#: rep queues a lead before its start event (version 1's copy figure also counted the host's launch
-#: gap, about 20 us a copy, and read 1.5 % low on the H100: bench/results/calibration_lead.md).
+#: rep queues a lead before its start event, so the host's launch gap (about 20 us a copy) is not
+#: counted (a measurement, see docs/benchmarks.md).
 CALIBRATION_VERSION = 2
 #: Cycles of ``torch.cuda._sleep`` queued before each timed calibration rep (about 1 ms at the
 #: H100's clock), so the host has launched the rep's work before the device reaches its start event.

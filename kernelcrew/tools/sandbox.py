@@ -24,7 +24,7 @@ running ``python -m kernelcrew.tools.sandbox SPEC``. The child:
 A segfault, a CUDA error, an infinite loop, ``sys.exit`` or ``os._exit`` inside user code becomes a
 :class:`SandboxResult` with a status and a message; the caller keeps running.
 
-What this does not enforce (see SECURITY.md): a private filesystem view (the sandbox user can still
+What this does not enforce (see docs/security.md): a private filesystem view (the sandbox user can still
 write world-writable places such as ``/tmp`` and read world-readable files), and, where the privilege
 drop is unavailable, a determined process running as root can raise its own limits.
 """

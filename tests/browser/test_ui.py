@@ -2,7 +2,7 @@
 
 One module: the tests run in order on one browser context (signed in once) and one real CPU job
 (the playbook, one step), so the whole walk takes about a minute. Screenshots of every page are
-saved (``shots``); ``KERNELCREW_SCREENSHOTS_DIR=docs/screenshots`` regenerates the README's.
+saved (``shots``); ``KERNELCREW_SCREENSHOTS_DIR=docs/screenshots`` regenerates docs/service.md's.
 """
 
 from __future__ import annotations

@@ -112,9 +112,8 @@ STRATEGIES: dict[str, Strategy] = {
             "(autotuned Triton templates, longer compile), dynamic=False.",
             module=f"{_PKG}.compiler",
             options=(("mode", "max-autotune-no-cudagraphs"),),
-            # its autotuning runs inside the step: in the H100 suite's runs its steps took 0.7-1.7x
-            # as long as the same run's default-mode step (bench/results/suite_h100_runs as
-            # committed at ab693ec: the four runs that took both steps)
+            # its autotuning runs inside the step, up to 1.7x a default-mode step's time (a
+            # measurement, see docs/benchmarks.md)
             cost=1.7,
         ),
     )

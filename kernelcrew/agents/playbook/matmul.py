@@ -259,8 +259,8 @@ def match(analysis: TaskAnalysis) -> tuple[MatmulPlan | None, str]:
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture class and kind of plan. The
-# sm_90 lists are in the order bench/results/matmul_epilogue.md measured them on the suite's tasks
-# (fastest first); sm_80 keeps the classic Ampere tiles (BLOCK_K 32 for 16-bit, 16 for float32).
+# sm_90 lists are fastest first on the suite's tasks (a measurement, see docs/benchmarks.md);
+# sm_80 keeps the classic Ampere tiles (BLOCK_K 32 for 16-bit, 16 for float32).
 CONFIGS: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {
     ("sm_90", "half"): [
         (256, 128, 64, 8, 3),
@@ -287,13 +287,13 @@ CONFIGS: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {
 
 
 def rank(plan: MatmulPlan) -> int:
-    """Where the playbook tries this kernel, from ``bench/results/matmul_epilogue.md`` (H100):
+    """Where the playbook tries this kernel (measured on an H100, see docs/benchmarks.md):
 
     * float32 layers first: TF32x3 on the tensor cores runs 1.7x faster than cuBLAS's float32 GEMM;
     * a gated pair of fp16/bf16 layers first: sharing each input tile and never writing the two
       intermediate outputs beats two cuBLAS GEMMs and a fused pointwise kernel (1.03-1.04x);
     * one fp16/bf16 layer after the library and compiler candidates: cuBLAS(Lt) fuses the same
-      epilogues and its tile loop ran 1.2-1.3x faster than this one.
+      epilogues and its tile loop runs 1.2-1.3x faster than this one.
     """
     return 2 if plan.dtype != "float32" and len(plan.layers) == 1 else 0
 
