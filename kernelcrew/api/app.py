@@ -22,7 +22,8 @@ from sqlalchemy import func, select, text
 
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.knowledge_base.db import get_engine, transaction
-from kernelcrew.task import TaskError, check_source, validate_in_sandbox
+from kernelcrew.task import TaskError, check_source
+from kernelcrew.tools.taskcheck import validate_in_sandbox
 from kernelcrew.worker import jobs
 
 PREFIX = "/api/v1"
