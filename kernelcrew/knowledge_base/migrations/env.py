@@ -14,7 +14,7 @@ from alembic import context
 from kernelcrew.config import get_settings, resolve_database_url
 from kernelcrew.knowledge_base import models  # noqa: F401  (registers the tables on Base.metadata)
 from kernelcrew.knowledge_base.db import Base, make_engine
-from kernelcrew.worker import jobs  # noqa: F401  (the service's tables)
+from kernelcrew.service import jobs  # noqa: F401  (the service's tables)
 
 target_metadata = Base.metadata
 
