@@ -3,8 +3,8 @@
 The caller hands its connection (already in a transaction, holding the migration lock) through
 ``config.attributes["connection"]``; without one, the configured database
 (``KERNELCREW_DATABASE_URL``) is opened. ``target_metadata`` is every table kernelcrew defines:
-the service's models are imported here too when they exist, so the test that compares the models
-with the migration head covers them.
+the knowledge base's models and the service's, imported here (this environment sits above both, and
+nothing imports it), so the test that compares the models with the migration head covers them.
 """
 
 from __future__ import annotations
