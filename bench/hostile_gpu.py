@@ -126,7 +126,9 @@ def judge(row: dict[str, Any], expect: str | None, verdict: str = "fail") -> dic
 
 def process_limit(s: Settings) -> str:
     probe = sandbox.run(
-        "kernelcrew.task:import_child", {"source": TASK, "kind": "task", "path": "t.py"}, settings=s
+        "kernelcrew.tools.taskcheck:import_child",
+        {"source": TASK, "kind": "task", "path": "t.py"},
+        settings=s,
     )
     return probe.isolation.get("pids_limit", "unknown")
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kernelcrew.knowledge_base.db import transaction  # noqa: E402
-from kernelcrew.worker import jobs  # noqa: E402
+from kernelcrew.service import jobs  # noqa: E402
 from tests.integration.test_service import CANDIDATE, FAST, TASK, running_service  # noqa: E402
 from tests.unit.test_knowledge_base import Postgres  # noqa: E402
 

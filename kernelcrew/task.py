@@ -11,7 +11,7 @@ Two levels of checking:
   with their line, missing definitions, wrong kinds of definition.
 * :func:`load_task` / :func:`load_candidate` import the file and check what it built (callables,
   an ``nn.Module`` subclass, inputs that are lists of tensors). Importing runs user code, so the
-  verifier calls these inside the sandbox only (see :func:`validate_in_sandbox`).
+  verifier calls these inside the sandbox only (see :mod:`kernelcrew.tools.taskcheck`).
 """
 
 from __future__ import annotations
@@ -220,34 +220,6 @@ def load_candidate(source: str, path: str = "candidate.py", name: str | None = N
     if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
         raise TaskError("ModelNew must be a subclass of torch.nn.Module", path=path)
     return cls
-
-
-def import_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Sandbox target of :func:`validate_in_sandbox`: import the file and check what it defines."""
-    if payload["kind"] == "task":
-        load_task(payload["source"], payload["path"])
-    else:
-        load_candidate(payload["source"], payload["path"])
-    return {"kind": payload["kind"]}
-
-
-def validate_in_sandbox(
-    source: str, kind: str = "task", path: str = "task.py", *, timeout_s: float, settings: Any = None
-) -> None:
-    """Import a task or candidate in a sandbox child, within ``timeout_s``; raise :class:`TaskError`.
-
-    What only running the file shows (an import that never ends, a module that is not installed,
-    ``Model`` not a module) is then refused before a job is queued, not found by a worker later.
-    """
-    from kernelcrew.tools import sandbox
-
-    limits = sandbox.SandboxLimits.from_settings(settings, wall_s=timeout_s)
-    payload = {"source": source, "kind": kind, "path": path}
-    res = sandbox.run("kernelcrew.task:import_child", payload, limits=limits, settings=settings)
-    if res.status == "timeout":
-        raise TaskError(f"importing the {kind} did not finish within {timeout_s:g} s", path=path)
-    if not res.ok:
-        raise TaskError(f"importing the {kind} failed ({res.status}): {res.message[:1000]}", path=path)
 
 
 def call_inputs(fn: Any, what: str, path: str) -> list[Any]:

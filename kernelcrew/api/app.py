@@ -9,58 +9,30 @@ import json
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import func, select, text
 
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.knowledge_base.db import get_engine, transaction
-from kernelcrew.task import TaskError, check_source, validate_in_sandbox
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
+from kernelcrew.service.auth import Principal
+from kernelcrew.service.events import job_event_stream
+from kernelcrew.service.submissions import (
+    JobOptions,
+    add_message,
+    check_task_imports,
+    enqueue_job,
+    read_source,
+)
 
 PREFIX = "/api/v1"
 #: The largest offset or event sequence number a query takes (a 32-bit column; larger ones overflow).
 MAX_INT = 2**31 - 1
-
-
-@dataclass
-class Principal:
-    user_id: int
-    user: str
-    team: str | None
-    token_id: int
-    scopes: list[str]
-
-    def can(self, scope: str) -> bool:
-        return scope in self.scopes or "admin" in self.scopes
-
-
-class JobOptions(BaseModel):
-    """What a job may ask for; anything else is refused (422) rather than failing the job later."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backend: str = "auto"
-    model: str = ""
-    max_iters: int = Field(6, ge=1, le=200)
-    time_budget_s: float = Field(900.0, gt=0, le=7 * 86400)
-    precision: Literal["strict", "relaxed"] = "strict"
-    device: Literal["cuda", "cpu"] = "cuda"
-    gpu: str | None = Field(None, description="A GPU model (h100-sxm) or architecture (sm_90).")
-    local_only: bool = False
-    compile_modes: str = "auto"
-    quick: bool = False
-    seed: int | None = None
-    timing: bool = True
-    use_kb: bool = False
-    webhook_url: HttpUrl | None = None
 
 
 class JobIn(BaseModel):
@@ -92,121 +64,6 @@ class RateLimiter:
                 return False
             q.append(t)
             return True
-
-
-def read_source(raw: bytes | str | None, what: str, kind: str, max_bytes: int) -> str | None:
-    """An uploaded source checked as the API checks it: size (413), UTF-8 and a valid ``kind`` (422)."""
-    if raw is None:
-        return None
-    data = raw.encode() if isinstance(raw, str) else raw
-    if len(data) > max_bytes:
-        raise HTTPException(413, f"the {what} is {len(data)} bytes; at most {max_bytes}")
-    try:
-        source = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise HTTPException(422, f"the {what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    try:
-        check_source(source, kind, f"{what}.py")
-    except TaskError as exc:
-        raise HTTPException(422, f"the {what} is not a valid {kind}: {exc}") from exc
-    return source
-
-
-async def check_task_imports(task: str, settings: Settings) -> None:
-    """Import the task once in a sandbox child (422 if that fails or outlasts the bound).
-
-    Shared by the REST route and the web form. User code: never in this process; in a thread, so
-    the event loop keeps serving while the child runs.
-    """
-    try:
-        await run_in_threadpool(
-            validate_in_sandbox,
-            task,
-            "task",
-            "task.py",
-            timeout_s=settings.api_validate_timeout_s,
-            settings=settings,
-        )
-    except TaskError as exc:
-        raise HTTPException(422, f"the task is not usable: {exc}") from exc
-
-
-def enqueue_job(
-    session: Any,
-    who: Principal,
-    task: str,
-    candidate: str | None,
-    mode: str,
-    options: dict[str, Any],
-    max_active: int,
-) -> jobs.Job:
-    """Queue a checked job for ``who``; 429 when they already have ``max_active`` queued or running.
-
-    Shared by the REST route and the web form, so both apply the same limit and write the same events.
-    """
-    active = session.scalar(
-        select(func.count())
-        .select_from(jobs.Job)
-        .where(jobs.Job.owner_id == who.user_id, jobs.Job.status.in_(("queued", "running")))
-    )
-    if active >= max_active:
-        raise HTTPException(429, f"{active} jobs are queued or running; at most {max_active}")
-    t = jobs.now()
-    job = jobs.Job(
-        id=jobs.new_job_id(),
-        owner_id=who.user_id,
-        token_id=who.token_id,
-        status="queued",
-        mode=mode,
-        task_source=task,
-        candidate_source=candidate,
-        options=options,
-        cancel_requested=False,
-        attempts=0,
-        created_at=t,
-        updated_at=t,
-    )
-    session.add(job)
-    session.flush()
-    jobs.add_event(session, job.id, "status", {"status": "queued"})
-    return job
-
-
-def add_message(session: Any, job: jobs.Job, text: str, user: str) -> None:
-    """A chat message: a running job takes it at its next plan; an ended optimize job is queued again."""
-    session.add(jobs.JobMessage(job_id=job.id, text=text, created_at=jobs.now()))
-    jobs.add_event(session, job.id, "message", {"text": text, "user": user})
-    if job.status in ("succeeded", "failed") and job.mode == "optimize":
-        job.status = "queued"
-        job.cancel_requested = False
-        job.finished_at = None
-        jobs.add_event(session, job.id, "status", {"status": "queued", "resumed_by": "message"})
-
-
-def job_event_stream(engine: Any, job_id: str, start: int) -> Iterator[str]:
-    """The job's events after ``start`` as Server-Sent Events; ends once the job has ended."""
-    last, idle = start, 0.0
-    while True:
-        with transaction(engine) as session:
-            status = session.scalar(select(jobs.Job.status).where(jobs.Job.id == job_id))
-            rows = session.scalars(
-                select(jobs.JobEvent)
-                .where(jobs.JobEvent.job_id == job_id, jobs.JobEvent.seq > last)
-                .order_by(jobs.JobEvent.seq)
-                .limit(200)
-            ).all()
-            batch = [(r.seq, r.type, r.data) for r in rows]
-        for seq, kind, data in batch:
-            yield f"id: {seq}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
-            last = seq
-        if not batch:
-            if status in jobs.ENDED:
-                return
-            time.sleep(0.5)
-            idle += 0.5
-            if idle >= 15:
-                idle = 0.0
-                yield ": keep-alive\n\n"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -458,12 +315,4 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-__all__ = [
-    "PREFIX",
-    "Principal",
-    "add_message",
-    "create_app",
-    "enqueue_job",
-    "job_event_stream",
-    "read_source",
-]
+__all__ = ["PREFIX", "create_app"]

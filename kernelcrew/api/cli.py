@@ -23,7 +23,7 @@ def token_create(
 ) -> None:
     """Create a token; it is printed alone on the last line and never shown again."""
     from kernelcrew.knowledge_base.db import get_engine, transaction
-    from kernelcrew.worker import jobs
+    from kernelcrew.service import jobs
 
     try:
         with transaction(get_engine()) as session:
@@ -43,7 +43,7 @@ def token_list(
 ) -> None:
     """The tokens: id, prefix, user, scopes, created, revoked (a token is never shown again)."""
     from kernelcrew.knowledge_base.db import get_engine, transaction
-    from kernelcrew.worker import jobs
+    from kernelcrew.service import jobs
 
     with transaction(get_engine()) as session:
         rows = jobs.list_tokens(session, user)
@@ -63,7 +63,7 @@ def token_revoke(
 ) -> None:
     """Revoke a token: it is refused (401) from now on."""
     from kernelcrew.knowledge_base.db import get_engine, transaction
-    from kernelcrew.worker import jobs
+    from kernelcrew.service import jobs
 
     with transaction(get_engine()) as session:
         tok = jobs.revoke_token(session, prefix_or_id)

@@ -1,7 +1,7 @@
 """The database every stored part of kernelcrew shares: declarative Base, engines, sessions, migrations.
 
 One database holds the knowledge base and the service's tables (users, tokens, jobs, events), in
-one Alembic history (``kernelcrew/knowledge_base/migrations``, written by hand). The URL
+one Alembic history (``kernelcrew/migrations``, written by hand). The URL
 comes from ``KERNELCREW_DATABASE_URL`` (:func:`kernelcrew.config.resolve_database_url`): empty means
 a SQLite file in the data directory, so the CLI needs nothing running; PostgreSQL goes through
 psycopg 3.
@@ -32,7 +32,9 @@ from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 from kernelcrew.config import Settings, get_settings, resolve_database_url
 
-MIGRATIONS = Path(__file__).parent / "migrations"
+#: The one Alembic history (``kernelcrew/migrations``): beside the packages, since its environment
+#: imports every module that defines tables (the service's too); loaded by path, never imported here.
+MIGRATIONS = Path(__file__).parents[1] / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: Key of the PostgreSQL advisory lock that serializes migrations (any fixed 64-bit number).
 MIGRATION_LOCK_KEY = 0x6B63_6B62  # "kckb"

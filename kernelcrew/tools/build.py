@@ -27,7 +27,6 @@ import inspect
 import linecache
 import os
 import re
-import stat
 import subprocess
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Any
 
 from kernelcrew.config import get_settings
 from kernelcrew.task import TaskError, load_candidate, parse_python, source_digest
+from kernelcrew.tools.pycache import reachable_by_others
 from kernelcrew.tools.sandbox import StageError
 
 #: Hex characters of sha256(source) naming a candidate's cache folder and suffixing extension names.
@@ -64,19 +64,11 @@ def source_hash(source: str) -> str:
     return source_digest(source)[:HASH_CHARS]
 
 
-def _reachable_by_others(path: Path) -> bool:
-    """Whether every existing ancestor of ``path`` lets other users through (o+x)."""
-    for parent in [path, *path.parents]:
-        if parent.exists() and not parent.stat().st_mode & stat.S_IXOTH:
-            return False
-    return True
-
-
 def default_cache_root() -> Path:
     """``<cache_dir>/build``, or a folder under the system temp dir when run as root and the sandbox
     user could not reach the configured one (a cache under ``/root`` is private to root)."""
     base = get_settings().cache_dir / "build"
-    if os.geteuid() == 0 and not _reachable_by_others(base):
+    if os.geteuid() == 0 and not reachable_by_others(base):
         base = Path(tempfile.gettempdir()) / "kernelcrew-build-cache"
         base.mkdir(mode=0o711, exist_ok=True)
     return base

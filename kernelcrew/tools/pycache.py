@@ -70,13 +70,19 @@ for name in sys.argv[1:]:
 _ready: dict[Path, Path | None] = {}
 
 
+def reachable_by_others(path: Path) -> bool:
+    """Whether every existing ancestor of ``path`` lets other users through (o+x)."""
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.stat().st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
 def cache_root(settings: Settings | None = None) -> Path:
     """``<cache_dir>/pycache/<interpreter tag>``, or one under the system temp dir when run as root
     and the sandbox user could not reach the configured one (a cache under ``/root`` is private)."""
-    from kernelcrew.tools.build import _reachable_by_others
-
     base = (settings or get_settings()).cache_dir.expanduser() / "pycache"
-    if os.geteuid() == 0 and not _reachable_by_others(base):
+    if os.geteuid() == 0 and not reachable_by_others(base):
         base = Path(tempfile.gettempdir()) / "kernelcrew-pycache"
     return base / sys.implementation.cache_tag
 
@@ -184,4 +190,12 @@ def child_prefix(settings: Settings | None = None) -> Path | None:
     return prefix
 
 
-__all__ = ["WARM_MODULES", "cache_root", "child_prefix", "stamp", "use_in_this_process", "wanted"]
+__all__ = [
+    "WARM_MODULES",
+    "cache_root",
+    "child_prefix",
+    "reachable_by_others",
+    "stamp",
+    "use_in_this_process",
+    "wanted",
+]

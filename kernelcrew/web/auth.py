@@ -1,7 +1,7 @@
 """Sign-in for the browser: the API token in an HttpOnly SameSite=Strict cookie, and CSRF tokens.
 
 The cookie holds the API token itself and every request checks it with
-:func:`kernelcrew.worker.jobs.authenticate`, the API's bearer check, so a revoked token signs the
+:func:`kernelcrew.service.jobs.authenticate`, the API's bearer check, so a revoked token signs the
 browser out at once and there is no second session store to keep in step. Forms of a signed-in user
 carry ``HMAC(token, "csrf")``: a page on another origin cannot read the token, so it cannot forge it.
 The sign-in form, before there is a session, uses a double-submit cookie instead.
@@ -18,9 +18,9 @@ from typing import Any
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
 
-from kernelcrew.api.app import Principal
 from kernelcrew.knowledge_base.db import transaction
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
+from kernelcrew.service.auth import Principal
 
 SESSION_COOKIE = "kc_session"
 SIGNIN_COOKIE = "kc_signin"

@@ -24,16 +24,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from kernelcrew.agents.llm import BACKENDS as LLM_BACKENDS
-from kernelcrew.api.app import (
+from kernelcrew.config import Settings
+from kernelcrew.knowledge_base.db import transaction
+from kernelcrew.service import jobs
+from kernelcrew.service.events import job_event_stream
+from kernelcrew.service.submissions import (
     JobOptions,
     add_message,
     check_task_imports,
     enqueue_job,
-    job_event_stream,
     read_source,
 )
-from kernelcrew.config import Settings
-from kernelcrew.knowledge_base.db import transaction
 from kernelcrew.web import views
 from kernelcrew.web.auth import (
     SESSION_COOKIE,
@@ -48,7 +49,6 @@ from kernelcrew.web.auth import (
     viewer_of,
 )
 from kernelcrew.web.code import highlight_css, highlight_python, unified_diff
-from kernelcrew.worker import jobs
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).parent / "templates")
 TEMPLATES.env.filters["num"] = lambda v, fmt="{:.3g}": "-" if v is None else fmt.format(v)

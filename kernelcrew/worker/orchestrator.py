@@ -1,6 +1,6 @@
 """Orchestrators: run whole jobs (the crew's graph, or a verify-only check) outside the API and Celery.
 
-Each orchestrator loops: lease one job (:func:`kernelcrew.worker.jobs.lease_job`), renew the lease
+Each orchestrator loops: lease one job (:func:`kernelcrew.service.jobs.lease_job`), renew the lease
 from a heartbeat thread, run the job, store its result. GPU work goes to the workers through a
 :class:`~kernelcrew.worker.executor.CeleryExecutor` (``--local``: a LocalExecutor on this machine).
 Optimize jobs checkpoint every step with thread id = job id -- LangGraph's Postgres saver when the
@@ -26,7 +26,7 @@ from rich.console import Console
 
 from kernelcrew.config import Settings, get_settings, resolve_database_url
 from kernelcrew.knowledge_base.db import get_engine, transaction
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from kernelcrew.knowledge_base.db import transaction
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
 from tests.conftest import FIXTURES
 from tests.integration.test_service import (
     CANDIDATE,

@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 
 from kernelcrew.config import Settings, resolve_database_url
 from kernelcrew.knowledge_base.db import make_engine, transaction, upgrade
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
 from tests.conftest import FIXTURES
 from tests.integration.test_worker import alive, descendants, wait_for
 from tests.unit.test_knowledge_base import Postgres

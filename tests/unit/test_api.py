@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from kernelcrew.api.app import create_app
 from kernelcrew.config import Settings
 from kernelcrew.knowledge_base.db import get_engine, transaction
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
 from tests.conftest import FIXTURES
 
 TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()

@@ -21,7 +21,7 @@ from schemathesis.checks import not_a_server_error
 from kernelcrew.api.app import PREFIX, create_app
 from kernelcrew.config import Settings
 from kernelcrew.knowledge_base.db import get_engine, transaction
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
 from tests.conftest import FIXTURES
 
 TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()

@@ -65,7 +65,12 @@ def run_hostile(
 ) -> SandboxResult:
     payload = {"source": (HOSTILE / name).read_text(), "kind": "candidate", "path": name}
     return sandbox.run(
-        "kernelcrew.task:import_child", payload, limits=limits, workdir=workdir, env=env, wrapper=wrapper
+        "kernelcrew.tools.taskcheck:import_child",
+        payload,
+        limits=limits,
+        workdir=workdir,
+        env=env,
+        wrapper=wrapper,
     )
 
 

@@ -769,30 +769,3 @@ def test_only_wins_on_the_same_pattern_reorder_the_menu():
         tf32,
     ]
     assert order_configs(space, hits, "matmul_epilogue")[1] == tf32  # without the task: any dtype
-
-
-def test_arrows_point_one_way():
-    """knowledge_base imports nothing of the agents, the API or the workers (they import it).
-
-    One exception: the migration environment (``migrations/env.py``) belongs to the shared database
-    rather than to the knowledge base, and imports every module that defines tables (the service's
-    ``kernelcrew.worker.jobs`` too) so that the models-versus-head comparison sees all of them."""
-    import ast
-    from pathlib import Path
-
-    import kernelcrew.knowledge_base as package
-
-    found = []
-    for path in Path(package.__file__).parent.rglob("*.py"):
-        if path.parent.name == "migrations" and path.name == "env.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            found += [
-                (path.name, n)
-                for n in names
-                if n.startswith(("kernelcrew.agents", "kernelcrew.api", "kernelcrew.worker"))
-            ]
-    assert found == []

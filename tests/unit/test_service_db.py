@@ -16,7 +16,7 @@ from kernelcrew.knowledge_base.db import (
     transaction,
     upgrade,
 )
-from kernelcrew.worker import jobs
+from kernelcrew.service import jobs
 from tests.unit.test_knowledge_base import databases  # noqa: F401  (fixture)
 
 

@@ -1,8 +1,8 @@
 """The service's tables (users, API tokens, jobs, job events, job messages) and their operations.
 
-They live here, beside the orchestrator, rather than in ``kernelcrew/api``: the orchestrator leases
-and finishes jobs and writes their events without importing FastAPI, and the API only adds HTTP on
-top. They share the knowledge base's declarative ``Base`` and its one Alembic history.
+They live in the service package, below the API, the web UI and the orchestrator: the orchestrator
+leases and finishes jobs and writes their events without importing FastAPI, and the API only adds
+HTTP on top. They share the knowledge base's declarative ``Base`` and the one Alembic history.
 
 Tokens are stored as a SHA-256 hash and a short prefix (to name them); the token itself is shown
 once. Leasing: one queued job, or a running job whose lease expired (its orchestrator died), is

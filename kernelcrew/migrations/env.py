@@ -3,8 +3,8 @@
 The caller hands its connection (already in a transaction, holding the migration lock) through
 ``config.attributes["connection"]``; without one, the configured database
 (``KERNELCREW_DATABASE_URL``) is opened. ``target_metadata`` is every table kernelcrew defines:
-the service's models are imported here too when they exist, so the test that compares the models
-with the migration head covers them.
+the knowledge base's models and the service's, imported here (this environment sits above both, and
+nothing imports it), so the test that compares the models with the migration head covers them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from alembic import context
 from kernelcrew.config import get_settings, resolve_database_url
 from kernelcrew.knowledge_base import models  # noqa: F401  (registers the tables on Base.metadata)
 from kernelcrew.knowledge_base.db import Base, make_engine
-from kernelcrew.worker import jobs  # noqa: F401  (the service's tables)
+from kernelcrew.service import jobs  # noqa: F401  (the service's tables)
 
 target_metadata = Base.metadata
 

@@ -1,0 +1,7 @@
+"""The job domain shared by the API, the web UI and the orchestrators: jobs, users, tokens, auth.
+
+Modules: ``jobs`` (the service's tables and their operations: tokens, leases, job events),
+``auth`` (who a request acts for), ``submissions`` (the checks and writes behind a submitted job
+or a chat message) and ``events`` (a job's events as a stream). Importing this package imports
+none of them, nor FastAPI.
+"""

@@ -1,0 +1,133 @@
+"""What a submitted job or chat message goes through: option and source checks, the import check, queueing.
+
+Shared by the REST API and the web UI's forms, so both refuse the same inputs with the same HTTP
+errors, apply the same limits and write the same job events.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import HTTPException
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl
+from sqlalchemy import func, select
+
+from kernelcrew.config import Settings
+from kernelcrew.service import jobs
+from kernelcrew.service.auth import Principal
+from kernelcrew.task import TaskError, check_source
+from kernelcrew.tools.taskcheck import validate_in_sandbox
+
+
+class JobOptions(BaseModel):
+    """What a job may ask for; anything else is refused (422) rather than failing the job later."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: str = "auto"
+    model: str = ""
+    max_iters: int = Field(6, ge=1, le=200)
+    time_budget_s: float = Field(900.0, gt=0, le=7 * 86400)
+    precision: Literal["strict", "relaxed"] = "strict"
+    device: Literal["cuda", "cpu"] = "cuda"
+    gpu: str | None = Field(None, description="A GPU model (h100-sxm) or architecture (sm_90).")
+    local_only: bool = False
+    compile_modes: str = "auto"
+    quick: bool = False
+    seed: int | None = None
+    timing: bool = True
+    use_kb: bool = False
+    webhook_url: HttpUrl | None = None
+
+
+def read_source(raw: bytes | str | None, what: str, kind: str, max_bytes: int) -> str | None:
+    """An uploaded source checked as the API checks it: size (413), UTF-8 and a valid ``kind`` (422)."""
+    if raw is None:
+        return None
+    data = raw.encode() if isinstance(raw, str) else raw
+    if len(data) > max_bytes:
+        raise HTTPException(413, f"the {what} is {len(data)} bytes; at most {max_bytes}")
+    try:
+        source = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HTTPException(422, f"the {what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    try:
+        check_source(source, kind, f"{what}.py")
+    except TaskError as exc:
+        raise HTTPException(422, f"the {what} is not a valid {kind}: {exc}") from exc
+    return source
+
+
+async def check_task_imports(task: str, settings: Settings) -> None:
+    """Import the task once in a sandbox child (422 if that fails or outlasts the bound).
+
+    Shared by the REST route and the web form. User code: never in this process; in a thread, so
+    the event loop keeps serving while the child runs.
+    """
+    try:
+        await run_in_threadpool(
+            validate_in_sandbox,
+            task,
+            "task",
+            "task.py",
+            timeout_s=settings.api_validate_timeout_s,
+            settings=settings,
+        )
+    except TaskError as exc:
+        raise HTTPException(422, f"the task is not usable: {exc}") from exc
+
+
+def enqueue_job(
+    session: Any,
+    who: Principal,
+    task: str,
+    candidate: str | None,
+    mode: str,
+    options: dict[str, Any],
+    max_active: int,
+) -> jobs.Job:
+    """Queue a checked job for ``who``; 429 when they already have ``max_active`` queued or running.
+
+    Shared by the REST route and the web form, so both apply the same limit and write the same events.
+    """
+    active = session.scalar(
+        select(func.count())
+        .select_from(jobs.Job)
+        .where(jobs.Job.owner_id == who.user_id, jobs.Job.status.in_(("queued", "running")))
+    )
+    if active >= max_active:
+        raise HTTPException(429, f"{active} jobs are queued or running; at most {max_active}")
+    t = jobs.now()
+    job = jobs.Job(
+        id=jobs.new_job_id(),
+        owner_id=who.user_id,
+        token_id=who.token_id,
+        status="queued",
+        mode=mode,
+        task_source=task,
+        candidate_source=candidate,
+        options=options,
+        cancel_requested=False,
+        attempts=0,
+        created_at=t,
+        updated_at=t,
+    )
+    session.add(job)
+    session.flush()
+    jobs.add_event(session, job.id, "status", {"status": "queued"})
+    return job
+
+
+def add_message(session: Any, job: jobs.Job, text: str, user: str) -> None:
+    """A chat message: a running job takes it at its next plan; an ended optimize job is queued again."""
+    session.add(jobs.JobMessage(job_id=job.id, text=text, created_at=jobs.now()))
+    jobs.add_event(session, job.id, "message", {"text": text, "user": user})
+    if job.status in ("succeeded", "failed") and job.mode == "optimize":
+        job.status = "queued"
+        job.cancel_requested = False
+        job.finished_at = None
+        jobs.add_event(session, job.id, "status", {"status": "queued", "resumed_by": "message"})
+
+
+__all__ = ["JobOptions", "add_message", "check_task_imports", "enqueue_job", "read_source"]
