@@ -5,11 +5,12 @@ knowledge base holding A's wins (exported by ``kernelcrew kb export`` after A, i
 ``kernelcrew kb import`` into B's fresh data directory, so the runs may be split over device
 calls with ``--only`` and ``--reuse``), and B again with ``--no-kb``. For each run of B it records
 the steps taken, the step and the second at which the final best was found, the wall time and the
-knowledge-base hits the planner got. Writes ``kb_h100.json`` and
-``kb_h100.md`` to the folder given (default bench/results).
+knowledge-base hits the planner got. Writes ``NAME.json`` and ``NAME.md`` (``--name``, default
+``kb_h100``) to the folder given, each run's folder under ``--runs``.
 
-    python bench/kb_gpu.py [OUT_DIR] [--first elementwise_chain] [--second swish_residual] [--max-iters N]
+    python bench/knowledge.py OUT_DIR --first TASK --second TASK [--max-iters N] [--gpus 0,1]
 
+With ``--gpus A,B`` the run without the knowledge base goes on GPU B while the other two run on A.
 A task is an example's name or a task file's path. ``--device cpu`` is a smoke test of the script
 (CPU timings decide nothing, so there it shows only that the hits arrive).
 """
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +49,7 @@ def optimize(
     device: str,
     reuse: Path | None = None,
     patience: int | None = None,
+    gpu: str = "",
 ) -> dict:
     """One optimize run; with ``reuse``, a run whose report is already there (an earlier shard of a
     10-minute lease) is read instead of run again, its wall time taken from the report."""
@@ -60,6 +63,8 @@ def optimize(
     cmd += [] if use_kb else ["--no-kb"]
     cmd += ["--patience", str(patience)] if patience else []
     env = own_data_env(data_dir)
+    if gpu:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     wall = round(time.monotonic() - started, 1)
@@ -134,11 +139,19 @@ def kb_cli(data_dir: Path, *args: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("out", nargs="?", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("out", nargs="?", default="bench-out", help="where NAME.json and NAME.md go")
+    parser.add_argument("--name", default="kb_h100", help="the result files' name")
+    parser.add_argument("--runs", type=Path, help="the runs' folders (default: OUT/kb_runs)")
     parser.add_argument("--first", default="elementwise_chain")
     parser.add_argument("--second", default="swish_residual")
     parser.add_argument("--max-iters", type=int, default=4)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument(
+        "--gpus",
+        default="",
+        help="Two GPU indices A,B: the first run then the second with the knowledge base on A, the "
+        "second without it on B at the same time (default: all three in turn on the visible GPU).",
+    )
     parser.add_argument(
         "--reuse", type=Path, help="Read runs whose report is already in this kb_runs folder."
     )
@@ -159,26 +172,27 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    runs_dir = args.runs or out_dir / "kb_runs"
     only = set(args.only.split(","))
-    runs = {}
-    for key, title in RUNS.items():
+
+    def run(key: str, gpu: str) -> dict | None:
         if key not in only and not (args.reuse and (args.reuse / key / "report.json").exists()):
-            continue  # neither asked for now nor done in an earlier shard
+            return None  # neither asked for now nor done in an earlier shard
         with tempfile.TemporaryDirectory() as data_dir:
-            run_dir = out_dir / "kb_runs" / key
+            run_dir = runs_dir / key
             if key == "with_kb":
                 wins = next(
                     (
                         p
-                        for d in (out_dir / "kb_runs", args.reuse)
+                        for d in (runs_dir, args.reuse)
                         if d and (p := d / "first" / "kb_export.json").exists()
                     ),
                     None,
                 )
                 if wins is None:
-                    raise SystemExit("no export of the first run's wins (kb_runs/first/kb_export.json)")
+                    raise SystemExit(f"no export of the first run's wins ({runs_dir}/first/kb_export.json)")
                 kb_cli(Path(data_dir), "import", str(wins))
-            runs[title] = optimize(
+            result = optimize(
                 args.first if key == "first" else args.second,
                 Path(data_dir),
                 run_dir,
@@ -187,9 +201,21 @@ def main() -> None:
                 device=args.device,
                 reuse=None if key in only else args.reuse,
                 patience=args.patience,
+                gpu=gpu,
             )
             if key == "first" and key in only:
                 kb_cli(Path(data_dir), "export", str(run_dir / "kb_export.json"))
+            return result
+
+    gpus = [g for g in args.gpus.split(",") if g]
+    if len(gpus) == 2:  # the run without the knowledge base needs nothing of the first: in parallel
+        with ThreadPoolExecutor(2) as pool:
+            without = pool.submit(run, "without_kb", gpus[1])
+            done = {key: run(key, gpus[0]) for key in ("first", "with_kb")}
+            done["without_kb"] = without.result()
+    else:
+        done = {key: run(key, "") for key in RUNS}
+    runs = {RUNS[key]: r for key, r in done.items() if r is not None}
     first = next((r for r in runs.values() if "gpu" in r), {})
     data = {
         "gpu": first.get("gpu"),
@@ -197,18 +223,11 @@ def main() -> None:
         "first": args.first,
         "second": args.second,
         "max_iters": args.max_iters,
-        "command": f"python bench/kb_gpu.py --first {args.first} --second {args.second} "
-        f"--max-iters {args.max_iters} --patience {args.patience} --device {args.device} "
-        f"--only {args.only}"
-        + (
-            f" --reuse {args.reuse} (runs read from an earlier shard are marked reused_from)"
-            if args.reuse
-            else ""
-        ),
+        "command": " ".join(["python", "bench/knowledge.py", *sys.argv[1:]]),
         "runs": runs,
     }
-    (out_dir / "kb_h100.json").write_text(json.dumps(data, indent=2))
-    (out_dir / "kb_h100.md").write_text(markdown(data))
+    (out_dir / f"{args.name}.json").write_text(json.dumps(data, indent=2))
+    (out_dir / f"{args.name}.md").write_text(markdown(data))
     print(markdown(data))
 
 
