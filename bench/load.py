@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-s", type=float, default=0.5)
     ap.add_argument("--max-wall", type=float, default=900, help="stop waiting for jobs after this")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/12", help="flushed before and after")
-    ap.add_argument("--out", type=Path, default=None, help="write reliability.json and .md here")
+    ap.add_argument("--out", type=Path, default=None, help="write load_cpu.json and .md here")
     args = ap.parse_args(argv)
 
     import redis
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "reliability.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / "reliability.md").write_text(text)
+        (args.out / "load_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "load_cpu.md").write_text(text)
     return 0 if not report["jobs"]["lost"] and report["jobs"]["created"] == args.clients * args.jobs else 1
 
 

@@ -1,6 +1,6 @@
 """A deep UNet stage's GroupNorm(32, 1280) then SiLU at 8x8, bfloat16, batch 512: rows of 2560
-columns, kept in registers (one pass), over channels of 64 positions (bench/row_configs.py's third
-task)."""
+columns, kept in registers (one pass), over channels of 64 positions (a row task for
+bench/micro.py)."""
 
 import torch
 import torch.nn as nn

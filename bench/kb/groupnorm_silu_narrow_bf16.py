@@ -1,6 +1,6 @@
 """A deep UNet stage's GroupNorm(32, 2560) then SiLU at 16x16, bfloat16, batch 64: channels of 256
-positions, so a chunk of a row's columns spans many channels (bench/row_configs.py's second task;
-the first, groupnorm_silu_unet_bf16.py, has channels of 4096 positions)."""
+positions, so a chunk of a row's columns spans many channels (a row task
+for bench/micro.py; groupnorm_silu_unet_bf16.py has channels of 4096 positions)."""
 
 import torch
 import torch.nn as nn

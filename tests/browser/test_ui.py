@@ -164,7 +164,7 @@ def test_the_jobs_list_knowledge_base_and_workers_pages(page, shots, job):
 
 
 def test_a_gpu_report_draws_its_roofline_and_ncu_table(page, service, shots):
-    """The GPU evidence a CPU machine cannot produce, from a committed H100 run's report (bench/results)."""
+    """The GPU evidence a CPU machine cannot produce, from a committed H100 run's report (tests/fixtures/reports)."""
     report = json.loads(H100_REPORT.read_text())
     job_id = store_finished_job(service.engine, "alice", report, None)  # its best.py was not kept
     page.goto(f"/jobs/{job_id}")

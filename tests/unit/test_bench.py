@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def test_rows_and_geomean():
     assert geomean([2.0, 8.0]) == 4.0 and geomean([]) is None
 
 
-SUITE = Path(__file__).resolve().parents[2] / "bench" / "suite"
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = ROOT / "bench" / "suite"
 
 
 @pytest.mark.parametrize("task", sorted(p.stem for p in SUITE.glob("*.py")))
@@ -116,3 +118,67 @@ def test_every_suite_task_runs_on_its_test_inputs_in_its_own_dtypes(task):
         with torch.no_grad():
             out = model(*inputs)
         assert torch.isfinite(out).all()
+
+
+WRONG = """import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, dim=-1) * 1.01
+"""
+
+
+def test_micro_checks_and_times_every_configuration_on_cpu(tmp_path):
+    """bench/micro.py's CPU path (Triton interpreter, test shapes): every configuration of the row
+    strategy is checked against float64 and timed with eager; a wrong candidate (one more
+    configuration, patched in) is flagged, not timed. In a fresh process: Triton must be imported in
+    interpreter mode."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "micro"
+    task = FIXTURES / "tasks" / "softmax.py"
+    script = f"""
+from kernelcrew.agents import playbook
+from bench import micro
+
+space, generate = playbook.tuning_space, playbook.generate
+playbook.tuning_space = lambda s, a, arch: [*space(s, a, arch), {{"wrong": True}}]
+playbook.generate = lambda s, src, a, p=None: {WRONG!r} if (p or {{}}).get("wrong") else generate(s, src, a, p)
+micro.main([{str(task)!r}, "--device", "cpu", "--compile", "none", "--strategies",
+            "row_reduction,fused_pointwise", "--out", {str(out)!r}])
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "micro.json").read_text())
+    assert data["arch"] == "cpu" and data["inputs"] == "test"
+    (row,) = data["tasks"]
+    assert row["task"] == "softmax" and row["eager"]["median_ms"] > 0
+    *good, wrong = row["candidates"]
+    assert good and all(c["strategy"] == "row_reduction" and c["ok"] for c in good), good
+    assert all(c["rel_error"] < row["error_bound"] and c["median_ms"] > 0 and c["vs_eager"] > 0 for c in good)
+    assert wrong["ok"] is False and wrong["rel_error"] > 1e-3 and "median_ms" not in wrong
+    assert set(row["not_applicable"]) == {"fused_pointwise"}
+    table = (out / "micro.md").read_text()
+    assert "| row_reduction/0 |" in table and "FAIL" in table and "fused_pointwise | does not apply" in table
+
+
+def test_run_suite_deals_tasks_to_gpus_and_merges_their_tables_in_suite_order():
+    from bench.run_suite import deal, merge
+
+    assert deal(["a", "b", "c", "d", "e"], 2) == [["a", "c", "e"], ["b", "d"]]
+    header = {"suite": "s", "device": "H100", "arch": "sm_90", "versions": {}}
+    rows = {t: {"task": t, "verified": True, "speedup_eager": 2.0, "source_kind": "kernel"} for t in "abc"}
+    peaks = {"basis": "calibrated", "dram_gbs": 3000.0}
+    shards = [
+        {**header, "gpu": "0", "rows": [rows["a"], rows["c"]], "peaks": peaks},
+        {**header, "gpu": "1", "rows": [rows["b"]], "peaks": {**peaks, "dram_gbs": 2990.0}},
+    ]
+    data = merge(["a", "b", "c"], shards)
+    assert [r["task"] for r in data["rows"]] == ["a", "b", "c"]
+    assert data["summary"]["tasks"] == 3 and data["summary"]["geomean_eager"] == pytest.approx(2.0)
+    assert [(s["gpu"], s["tasks"]) for s in data["shards"]] == [("0", ["a", "c"]), ("1", ["b"])]
+    assert markdown(data).count("| a |") == 1

@@ -22,7 +22,7 @@ from tests.conftest import FIXTURES
 
 TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()
 ROOT = Path(__file__).parents[2]
-H100_REPORT = ROOT / "bench" / "results" / "kb_runs" / "without_kb" / "report.json"
+H100_REPORT = FIXTURES / "reports" / "h100_swish_residual.json"
 
 
 class Site:
@@ -161,7 +161,7 @@ def test_another_users_job_is_not_found(site):
 
 
 def test_a_gpu_report_shows_its_roofline_ncu_table_diff_and_downloads(site):
-    """A real H100 report (bench/results) stored as a finished job's result: the GPU-only evidence."""
+    """A real H100 report (tests/fixtures/reports) stored as a finished job's result: the GPU-only evidence."""
     report = json.loads(H100_REPORT.read_text())
     best = "class ModelNew(nn.Module):\n    pass\n"
     job_id = store_finished_job(site.engine, "ann", report, best)

@@ -1,0 +1,84 @@
+"""``kernelcrew bench`` over several GPUs of one host: one shard per GPU, merged into one table.
+
+The suite's tasks are dealt out in turn to the GPUs listed; each GPU runs ``kernelcrew bench`` on its
+share (its own data directory, so each knowledge base starts from its seeds, and its own
+calibration), all at once. The shards' rows are merged in the suite's order into ``NAME.json`` and
+``NAME.md`` in ``--results``; each shard's folder (its table and the per-task runs) stays under
+``--out``. Options after ``--`` go to every ``kernelcrew bench``.
+
+    python bench/run_suite.py --gpus 0,1 --name suite_h100 -- --max-iters 2 --compile-modes default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kernelcrew.benchmark import markdown, suite_tasks, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def deal(tasks: list[str], shards: int) -> list[list[str]]:
+    """Task names dealt out in turn, so every shard gets some of each part of the (sorted) suite."""
+    return [tasks[i::shards] for i in range(shards)]
+
+
+def merge(order: list[str], shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table from the shards' tables: the first shard's header, rows in ``order``, and per shard
+    the GPU, its tasks and the peaks its SOL column used."""
+    rows = {r["task"]: r for shard in shards for r in shard.get("rows", [])}
+    data = {k: v for k, v in shards[0].items() if k not in ("rows", "summary")}
+    data["rows"] = [rows[name] for name in order if name in rows]
+    data["summary"] = summarize(data["rows"])
+    data["shards"] = [
+        {"gpu": s.get("gpu"), "tasks": [r["task"] for r in s.get("rows", [])], "peaks": s.get("peaks")}
+        for s in shards
+    ]
+    return data
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--suite", type=Path, default=ROOT / "bench" / "suite")
+    ap.add_argument("--gpus", default="0,1", help="comma list of CUDA device indices, one shard each")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"), help="the shards' folders")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--name", default="suite_h100", help="the merged table's file name")
+    args = ap.parse_args(ours)
+    order = [p.stem for p in suite_tasks(args.suite)]
+    gpus = [g for g in args.gpus.split(",") if g]
+    procs = []
+    for gpu, names in zip(gpus, deal(order, len(gpus)), strict=True):
+        shard = args.out / f"gpu{gpu}"
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "KERNELCREW_DATA_DIR": str(shard / "data")}
+        cmd = [sys.executable, "-m", "kernelcrew", "bench", str(args.suite), "--device", "cuda"]
+        cmd += ["--tasks", ",".join(names), "--out", str(shard), "--resume", *extra]
+        procs.append((gpu, shard, subprocess.Popen(cmd, env=env)))
+    shards = []
+    for gpu, shard, proc in procs:
+        if proc.wait() != 0:
+            print(f"shard on GPU {gpu} exited with {proc.returncode}", file=sys.stderr)
+        table = shard / "suite.json"
+        if table.exists():
+            shards.append({**json.loads(table.read_text()), "gpu": gpu})
+    if not shards:
+        raise SystemExit("no shard wrote a table")
+    data = merge(order, shards)
+    data["command"] = " ".join(["python", "bench/run_suite.py", *argv])
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{args.name}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    (args.results / f"{args.name}.md").write_text(markdown(data))
+    print(markdown(data))
+    return data
+
+
+if __name__ == "__main__":
+    main()
