@@ -94,7 +94,7 @@ SUCCESS_MARKS = ("HOSTILE read:", "HOSTILE wrote", "HOSTILE connected", SECRET)
 def verify_case(name: str, task: str, candidate: str, device: str, s: Settings) -> dict[str, Any]:
     started = time.monotonic()
     try:
-        v = correctness.verify(task, candidate, device=device, settings=s, seed=11).to_dict()
+        v = correctness.verify(task, candidate, device=device, settings=s, seed=11).model_dump()
         row = {
             "verdict": v["verdict"],
             "stage": v["stage"],
