@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from kernelcrew.config import Settings
+from kernelcrew.records import Report
 from kernelcrew.task import TaskError
 
 
@@ -42,31 +43,30 @@ def suite_tasks(suite_dir: Path, names: list[str] | None = None) -> list[Path]:
     return [found[n] for n in names]
 
 
-def row_from_report(task: str, report: dict[str, Any] | None, wall_s: float) -> dict[str, Any]:
+def row_from_report(task: str, report: Report | None, wall_s: float) -> dict[str, Any]:
     """One table row from an optimize report (``verified`` only for a candidate that passed)."""
     if report is None:
         return {"task": task, "verified": False, "status": "error", "wall_s": round(wall_s, 1)}
-    best = report.get("best") or {}
-    base = report.get("baseline") or {}
-    compiled = best.get("compile_ms") or base.get("compile_ms") or {}
+    best = report.best
+    compiled = (best.compile_ms if best else None) or report.baseline.compile_ms or {}
     compile_ms = min(compiled.values()) if compiled else None
-    fractions = (report.get("roofline") or {}).get("sol_fraction") or {}
+    fractions = report.roofline.get("sol_fraction") or {}
     return {
         "task": task,
-        "status": report.get("status"),
-        "stop_reason": report.get("stop_reason"),
-        "eager_ms": best.get("eager_ms") or base.get("eager_ms"),
+        "status": report.status,
+        "stop_reason": report.stop_reason,
+        "eager_ms": (best.eager_ms if best else None) or report.baseline.eager_ms,
         "compile_ms": compile_ms,
-        "best_ms": best.get("best_ms"),
-        "speedup_eager": best.get("speedup_eager"),
-        "speedup_compile": best.get("speedup_compile"),
+        "best_ms": best.best_ms if best else None,
+        "speedup_eager": best.speedup_eager if best else None,
+        "speedup_compile": best.speedup_compile if best else None,
         "sol_fraction": fractions.get("best"),
-        "strategy": best.get("strategy"),
-        "source_kind": best.get("kind"),
-        "verified": bool(best),
-        "significant": best.get("significant"),
+        "strategy": best.strategy if best else None,
+        "source_kind": best.kind if best else None,
+        "verified": best is not None,
+        "significant": best.significant if best else None,
         "wall_s": round(wall_s, 1),
-        "run_id": report.get("run_id"),
+        "run_id": report.run_id,
     }
 
 

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kernelcrew.api.cli import serve, submit, token_app
 from kernelcrew.knowledge_base.cli import app as kb_app
+from kernelcrew.records import Baseline, BenchmarkRequest, BenchmarkResult, ProfileRequest, VerifyRequest
 from kernelcrew.task import TaskError, read_source
 from kernelcrew.worker.cli import orchestrator, worker
 
@@ -140,7 +141,7 @@ def run_verify(
             golden=golden,
             settings=settings,
         )
-        report: dict[str, Any] = verdict.to_dict()
+        report: dict[str, Any] = verdict.model_dump(mode="json")
         report.update(baseline_ms=None, compile_ms=None, candidate_ms=None, speedup=None, timing=None)
         if verdict.passed and timing:
             bench = timing_mod.benchmark(
@@ -154,7 +155,6 @@ def run_verify(
                 task_path=str(task),
                 settings=settings,
             )
-            report["timing"] = bench
             _merge_timing(report, bench)
     info = hardware.detect(dev)
     report["gpu"] = info.to_dict() if info.device == "cuda" else None
@@ -324,7 +324,7 @@ def run_profile(
     from kernelcrew.agents.diagnosis import assess
     from kernelcrew.tools import hardware, roofline
     from kernelcrew.tools.executor import LocalExecutor
-    from kernelcrew.tools.timing import compile_medians, parse_compile_modes
+    from kernelcrew.tools.timing import parse_compile_modes
 
     task_source = read_source(task)
     cand_source = read_source(candidate) if candidate else None
@@ -339,7 +339,7 @@ def run_profile(
             raise TaskError("--calibrate measures a GPU; this run is on the CPU")
         roofline.calibrate(hw)
     executor = LocalExecutor()
-    request = {
+    common: dict[str, Any] = {
         "task_source": task_source,
         "task_path": str(task),
         "device": dev,
@@ -353,77 +353,81 @@ def run_profile(
         "versions": hardware.versions(),
     }
     try:
-        ref = executor.profile({**request, "ncu": use_ncu and dev == "cuda"})
+        ref = executor.profile(ProfileRequest(**common, ncu=use_ncu and dev == "cuda"))
         verdict = None
         if cand_source is not None:
             verdict = executor.verify(
-                {**request, "candidate_source": cand_source, "candidate_path": str(candidate)}
+                VerifyRequest(**common, candidate_source=cand_source, candidate_path=str(candidate))
             )
-            report["candidate_verdict"] = {k: verdict.get(k) for k in ("verdict", "stage", "message", "kind")}
-        passed = cand_source is not None and verdict is not None and verdict["verdict"] == "pass"
+            report["candidate_verdict"] = verdict.model_dump(include={"verdict", "stage", "message", "kind"})
+        passed = cand_source is not None and verdict is not None and verdict.passed
         bench = executor.benchmark(
-            {
-                **request,
-                "candidates": {"candidate": cand_source} if passed else {},
-                "compile_modes": parse_compile_modes(compile_modes, dev),
-                "quick": quick,
-            }
+            BenchmarkRequest(
+                **common,
+                candidates={"candidate": cand_source} if passed and cand_source is not None else {},
+                compile_modes=parse_compile_modes(compile_modes, dev),
+                quick=quick,
+            )
         )
         cand = (
             executor.profile(
-                {
-                    **request,
-                    "candidate_source": cand_source,
-                    "candidate_path": str(candidate),
-                    "ncu": use_ncu and dev == "cuda",
-                }
+                ProfileRequest(
+                    **common,
+                    candidate_source=cand_source,
+                    candidate_path=str(candidate),
+                    ncu=use_ncu and dev == "cuda",
+                )
             )
             if passed
-            else {}
+            else None
         )
     finally:
         executor.close()
-    results = bench.get("results", {})
     timing = {
-        "clock": bench.get("clock"),
-        "eager_ms": results.get("eager", {}).get("median_ms"),
-        "compile_ms": compile_medians(bench),
-        "candidate_ms": results.get("candidate", {}).get("median_ms"),
+        "clock": bench.clock,
+        "eager_ms": bench.median_ms("eager"),
+        "compile_ms": bench.compile_medians(),
+        "candidate_ms": bench.median_ms("candidate"),
     }
-    peaks = roofline.Peaks(**ref["peaks"])
-    floor = ref.get("floor") or {}
+    peaks = roofline.Peaks(**ref.peaks)
+    floor = ref.floor or {}
     if target is not None:
-        peaks, floor = target, roofline.floor(ref.get("work") or {}, target)
+        peaks, floor = target, roofline.floor(ref.work or {}, target)
         notes.append(f"floor computed for {gpu} ({target.basis}), not for the device measured here")
     if dev == "cpu":
         notes.append("no GPU here: CPU profile (aten ops by self CPU time) and the analytic floor only")
-    baseline = {
-        **ref,
-        "floor": floor,
-        "eager_ms": timing["eager_ms"],
-        "clock": timing["clock"],
-        "hotspot_clock": ref.get("clock"),
-    }
-    if not (ref.get("ncu") or {}).get("available") and dev == "cuda":
-        notes.append(f"Nsight Compute: {(ref.get('ncu') or {}).get('reason', 'not asked for')}")
+    baseline = Baseline(
+        hotspots=ref.hotspots,
+        hotspot_clock=ref.clock,
+        hotspot_total_us=ref.total_us,
+        work=ref.work,
+        peaks=ref.peaks,
+        hardware=ref.hardware,
+        floor=floor,
+        ncu=ref.ncu or {},
+        eager_ms=timing["eager_ms"],
+        clock=timing["clock"],
+    )
+    if not (ref.ncu or {}).get("available") and dev == "cuda":
+        notes.append(f"Nsight Compute: {(ref.ncu or {}).get('reason', 'not asked for')}")
     timed = dev == "cuda"
     floor_ms = floor.get("floor_ms") if timed else None  # CPU wall time is never set against a GPU floor
     report.update(
         peaks=peaks.to_dict(),
-        work=ref.get("work"),
+        work=ref.work,
         floor=floor,
         timing=timing,
         sol_fraction={
             **roofline.sol_fractions(floor_ms, timing["eager_ms"], timing["compile_ms"]),
             "candidate": roofline.sol_fraction(floor_ms, timing["candidate_ms"]),
         },
-        hotspots=ref.get("hotspots", []),
-        hotspot_clock=ref.get("clock"),
-        ncu={"reference": ref.get("ncu"), "candidate": cand.get("ncu") if cand else None},
+        hotspots=[h.model_dump(mode="json") for h in ref.hotspots],
+        hotspot_clock=ref.clock,
+        ncu={"reference": ref.ncu, "candidate": cand.ncu if cand else None},
         diagnosis={
             "reference": assess(baseline),
-            "candidate": assess(baseline, cand.get("ncu") or {}, timing["candidate_ms"], subject="candidate")
-            if passed
+            "candidate": assess(baseline, cand.ncu or {}, timing["candidate_ms"], subject="candidate")
+            if cand is not None
             else None,
         },
         notes=notes,
@@ -462,7 +466,7 @@ def _print_profile(report: dict[str, Any]) -> None:
         out.print(f"  {hot['share']:6.1%}  {hot['time_us']:10.1f} us  {hot['name'][:90]}")
     for diag in report["diagnosis"].values():
         if diag:
-            out.print(render(diag, {}))
+            out.print(render(diag))
     verdict = report.get("candidate_verdict")
     if verdict and verdict["verdict"] != "pass":
         out.print(f"[red]candidate failed verification[/] ({verdict['stage']}): {verdict['message']}")
@@ -515,33 +519,29 @@ def _ask_guidance(step: int) -> str:
     return typer.prompt(f"guidance before step {step} (enter to go on)", default="", show_default=False)
 
 
-def _merge_timing(report: dict[str, Any], bench: dict[str, Any]) -> None:
+def _merge_timing(report: dict[str, Any], bench: BenchmarkResult) -> None:
     """Fold the benchmark into the top-level fields and fail the verdict on a bad timed output."""
-    from kernelcrew.tools.timing import compile_medians
-
-    results = bench.get("results", {})
-    report["baseline_ms"] = results.get("eager", {}).get("median_ms")
-    compiled = compile_medians(bench)
+    report["timing"] = bench.model_dump(mode="json")
+    report["baseline_ms"] = bench.median_ms("eager")
+    compiled = bench.compile_medians()
     report["compile_ms"] = min(compiled.values()) if compiled else None
-    report["compile_s"] = bench.get("compile_s")
-    report["candidate_ms"] = results.get("candidate", {}).get("median_ms")
-    ratio = bench.get("ratios", {}).get("candidate")
+    report["compile_s"] = report["timing"].get("compile_s")
+    report["candidate_ms"] = bench.median_ms("candidate")
+    ratio = bench.ratios.get("candidate")
     if ratio:
-        report["speedup"] = ratio["median"]
-        report["speedup_ci"] = [ratio["ci_low"], ratio["ci_high"]]
-        report["speedup_significant"] = ratio["significant"]
+        report["speedup"] = ratio.median
+        report["speedup_ci"] = [ratio.ci_low, ratio.ci_high]
+        report["speedup_significant"] = ratio.significant
     if compiled and report["candidate_ms"]:
         report["speedup_vs_compile"] = min(compiled.values()) / report["candidate_ms"]
-    if bench.get("clock") == "cpu-wall":
+    if bench.clock == "cpu-wall":
         report["flags"].append("CPU timings (wall clock): not GPU speedups")
-    for flag in bench.get("flags", []):
-        report["flags"].append(flag)
-    failure = bench.get("failure")
-    if failure:
-        report["verdict"], report["stage"], report["message"] = "fail", failure["stage"], failure["message"]
-        report["failures"].append(failure)
+    failure = bench.failure
+    if failure is not None:
+        report["verdict"], report["stage"], report["message"] = "fail", failure.stage, failure.message
+        report["failures"].append(failure.model_dump(mode="json"))
     report["checks"].append(
-        {"name": "timed outputs", "passed": failure is None, "detail": bench.get("samples_checked", 0)}
+        {"name": "timed outputs", "passed": failure is None, "detail": bench.samples_checked or 0}
     )
 
 

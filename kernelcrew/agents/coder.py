@@ -38,7 +38,7 @@ def code(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     }
     if step.strategy in playbook.STRATEGIES and not repairing:
         analysis = playbook.TaskAnalysis(
-            state.baseline.get("analysis") or {}, task_source=state.task_source, task_path=state.task_path
+            state.baseline.analysis, task_source=state.task_source, task_path=state.task_path
         )
         try:
             source = playbook.generate(step.strategy, state.task_source, analysis, step.params)

@@ -10,9 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from kernelcrew.records import ExecutorRequest
 from kernelcrew.tools.executor import Executor
+
+R = TypeVar("R", bound=ExecutorRequest)
 
 
 @dataclass
@@ -38,14 +41,14 @@ class CrewContext:
         if self.on_event is not None:
             self.on_event(event)
 
-    def request(self, state: Any, **extra: Any) -> dict[str, Any]:
-        """The fields every executor request carries, from the run's state."""
+    def request(self, kind: type[R], state: Any, **extra: Any) -> R:
+        """A ``kind`` request with the fields every executor request carries from the run's state."""
         opts = state.options
-        return {
-            "task_source": state.task_source,
-            "task_path": state.task_path,
-            "device": opts.device,
-            "precision": opts.precision,
-            "seed": opts.seed,
+        return kind(
+            task_source=state.task_source,
+            task_path=state.task_path,
+            device=opts.device,
+            precision=opts.precision,
+            seed=opts.seed,
             **extra,
-        }
+        )

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernelcrew.records import Baseline
+
 BUSY_FLOOR = 0.5
 HIGH = 60.0
 
@@ -30,17 +32,17 @@ def _metric(name: str, value: Any, unit: str, meaning: str) -> dict[str, Any]:
 
 
 def assess(
-    baseline: dict[str, Any],
+    baseline: Baseline,
     subject_ncu: dict[str, Any] | None = None,
     time_ms: float | None = None,
     subject: str = "reference",
 ) -> dict[str, Any]:
     """The bound class, evidence, floor, gap and remedies of ``subject`` (the reference by default)."""
-    floor = baseline.get("floor") or {}
-    ncu = subject_ncu if subject_ncu is not None else baseline.get("ncu") or {}
+    floor = baseline.floor or {}
+    ncu = subject_ncu if subject_ncu is not None else baseline.ncu
     summary = ncu.get("summary") if ncu.get("available") else None
-    time_ms = time_ms if time_ms is not None else baseline.get("eager_ms")
-    if baseline.get("clock") == "cpu-wall":
+    time_ms = time_ms if time_ms is not None else baseline.eager_ms
+    if baseline.clock == "cpu-wall":
         time_ms = None  # CPU wall clock against a GPU floor means nothing
     floor_ms = floor.get("floor_ms")
     out: dict[str, Any] = {
@@ -108,16 +110,16 @@ def assess(
     return out
 
 
-def _profiler_kernel_us(baseline: dict[str, Any], subject: str) -> float | None:
-    if subject != "reference" or not str(baseline.get("hotspot_clock", "")).startswith("cuda"):
+def _profiler_kernel_us(baseline: Baseline, subject: str) -> float | None:
+    if subject != "reference" or not str(baseline.hotspot_clock or "").startswith("cuda"):
         return None
-    return sum(h.get("time_us", 0.0) for h in baseline.get("hotspots", [])) or None
+    return sum(h.time_us for h in baseline.hotspots) or None
 
 
-def _profiler_launches(baseline: dict[str, Any], subject: str) -> float | None:
-    if subject != "reference" or not str(baseline.get("hotspot_clock", "")).startswith("cuda"):
+def _profiler_launches(baseline: Baseline, subject: str) -> float | None:
+    if subject != "reference" or not str(baseline.hotspot_clock or "").startswith("cuda"):
         return None
-    return sum(h.get("calls", 0) for h in baseline.get("hotspots", [])) or None
+    return sum(h.calls for h in baseline.hotspots) or None
 
 
 def _bound_from_ncu(s: dict[str, Any]) -> str:
@@ -172,9 +174,7 @@ STALL_MEANING = {
 }
 
 
-def _ncu_remedies(
-    s: dict[str, Any], bound: str, floor: dict[str, Any], baseline: dict[str, Any]
-) -> list[str]:
+def _ncu_remedies(s: dict[str, Any], bound: str, floor: dict[str, Any], baseline: Baseline) -> list[str]:
     rem: list[str] = []
     dram_bytes = s.get("dram_bytes")
     must = floor.get("bytes")
@@ -226,7 +226,7 @@ def _ncu_remedies(
     return rem
 
 
-def _roofline_remedies(floor: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
+def _roofline_remedies(floor: dict[str, Any], baseline: Baseline) -> list[str]:
     if floor.get("bound") == "memory":
         return [
             "memory-bound by arithmetic intensity: fuse the ops into one pass so each byte moves once",
@@ -238,7 +238,7 @@ def _roofline_remedies(floor: dict[str, Any], baseline: dict[str, Any]) -> list[
     ]
 
 
-def render(a: dict[str, Any], baseline: dict[str, Any], best_line: str = "") -> str:
+def render(a: dict[str, Any], baseline: Baseline | None = None, best_line: str = "") -> str:
     """The reading as a few lines of text for the planner's prompt (numbers, not adjectives)."""
     how = "predicted from the arithmetic intensity" if a.get("predicted") else a["metrics_source"]
     lines = [f"{a['subject']}: {a['bound']}-bound ({how})"]

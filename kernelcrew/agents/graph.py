@@ -25,6 +25,8 @@ STATE_TYPES = [
     ("kernelcrew.agents.state", "Candidate"),
     ("kernelcrew.agents.state", "PlanStep"),
     ("kernelcrew.agents.state", "CrewState"),
+    ("kernelcrew.records", "Baseline"),
+    ("kernelcrew.records", "Report"),
 ]
 
 

@@ -73,9 +73,9 @@ def _menu(state: CrewState) -> list[PlanStep]:
     from kernelcrew.knowledge_base import from_analysis, order_configs, preferred_strategies
 
     analysis = playbook.TaskAnalysis(
-        (state.baseline or {}).get("analysis") or {}, task_source=state.task_source, task_path=state.task_path
+        state.baseline.analysis, task_source=state.task_source, task_path=state.task_path
     )
-    arch = "cpu" if state.options.device == "cpu" else state.baseline.get("arch", "sm_90")
+    arch = "cpu" if state.options.device == "cpu" else state.baseline.arch or "sm_90"
     hits = state.kb_hits or []
     signature = from_analysis(analysis.to_dict()).text
     won = preferred_strategies(hits, signature)
@@ -224,7 +224,7 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
 def step_seconds(state: CrewState) -> list[float]:
     """How long each finished step of the run took: from one decide to the next, the first from
     the end of the baseline's phases (earlier work, such as the analysis, counts into it)."""
-    start = sum((state.baseline or {}).get("phase_s", {}).values())
+    start = sum(state.baseline.phase_s.values())
     out = []
     for record in state.iterations:
         mark = record.get("elapsed_s")
@@ -250,7 +250,7 @@ FINALIZE_COST = 1.7
 
 def _seconds_left(state: CrewState) -> float:
     """The time budget left for steps: what the run has not used, less the final report's share."""
-    reserve = FINALIZE_COST * ((state.baseline or {}).get("phase_s") or {}).get("benchmark", 0.0)
+    reserve = FINALIZE_COST * state.baseline.phase_s.get("benchmark", 0.0)
     return state.options.time_budget_s - (time.time() - state.started_at) - reserve
 
 

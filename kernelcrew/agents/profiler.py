@@ -13,9 +13,16 @@ from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.diagnosis import assess, render
 from kernelcrew.agents.state import Candidate, CrewState
 from kernelcrew.config import get_settings
+from kernelcrew.records import (
+    Baseline,
+    BenchmarkRequest,
+    BenchmarkResult,
+    ProfileRequest,
+    TimingFailure,
+    VerifyRequest,
+)
 from kernelcrew.task import TaskError
 from kernelcrew.tools.roofline import is_suspect, sol_fraction, sol_fractions
-from kernelcrew.tools.timing import compile_medians
 
 
 def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -31,63 +38,63 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         # One child times eager and torch.compile, then ranks the reference's kernels (hotspots).
         bench = ctx.executor.benchmark(
             ctx.request(
-                state, candidates={}, compile_modes=list(opts.compile_modes), quick=opts.quick, hotspots=True
+                BenchmarkRequest,
+                state,
+                candidates={},
+                compile_modes=list(opts.compile_modes),
+                quick=opts.quick,
+                hotspots=True,
             )
         )
-        if bench.get("failure"):
-            raise TaskError(
-                f"timing the reference failed: {bench['failure']['message']}", path=state.task_path
-            )
-        ranked = bench.get("profile") or {}
-        hot = {
-            **ranked,
-            **ctx.executor.profile(ctx.request(state, ncu=on_gpu, hotspots=False, work=ranked.get("work"))),
-        }
+        if bench.failure is not None:
+            raise TaskError(f"timing the reference failed: {bench.failure.message}", path=state.task_path)
+        ranked = bench.profile
+        work = ranked.work if ranked is not None else None
+        hot = ctx.executor.profile(ctx.request(ProfileRequest, state, ncu=on_gpu, hotspots=False, work=work))
         clock = time.monotonic()
         analysis, analysis_error = analysing.result() if analysing is not None else ({}, "")
     # Where the baseline's wall time went: the executor's account, then the wait for the analysis.
-    phase_s = {**(bench.get("phase_s") or {}), **{k: v for k, v in (hot.get("phase_s") or {}).items() if v}}
+    phase_s = {**(bench.phase_s or {}), **{k: v for k, v in hot.phase_s.items() if v}}
     phase_s["analysis_wait"] = round(time.monotonic() - clock, 2)
     if analysis_error:
         ctx.emit("error", node="profile_baseline", message=f"graph analysis failed: {analysis_error}")
-    results = bench.get("results", {})
-    compiled = compile_medians(bench)
-    baseline = {
-        "clock": bench.get("clock"),
-        "eager_ms": results.get("eager", {}).get("median_ms"),
-        "eager_spread_pct": results.get("eager", {}).get("spread_pct"),
-        "compile_ms": compiled,
-        "compile_s": bench.get("compile_s", {}),
-        "compile_errors": bench.get("compile_errors", {}),
-        "hardware": bench.get("hardware", {}),
-        "versions": bench.get("versions", {}),
-        "arch": (bench.get("hardware") or {}).get("arch", opts.device),
-        "hotspots": hot.get("hotspots", []),
-        "hotspot_clock": hot.get("clock"),
-        "hotspot_total_us": hot.get("total_us"),
-        "work": hot.get("work"),
-        "peaks": hot.get("peaks"),
-        "floor": hot.get("floor"),
-        "ncu": hot.get("ncu") or {"available": False, "reason": "not asked for (CPU run)"},
-        "analysis": analysis,
-        "phase_s": phase_s,
-        "golden_phase_s": bench.get("golden_phase_s"),  # the golden child's own phases, when it ran
+    eager = bench.results.get("eager")
+    compiled = bench.compile_medians()
+    baseline = Baseline(
+        clock=bench.clock,
+        eager_ms=eager.median_ms if eager else None,
+        eager_spread_pct=eager.spread_pct if eager else None,
+        compile_ms=compiled,
+        compile_s=bench.compile_s,
+        compile_errors=bench.compile_errors,
+        hardware=bench.hardware,
+        versions=bench.versions,
+        arch=bench.hardware.get("arch", opts.device),
+        hotspots=ranked.hotspots if ranked else [],
+        hotspot_clock=ranked.clock if ranked else None,
+        hotspot_total_us=ranked.total_us if ranked else None,
+        work=hot.work,
+        peaks=hot.peaks,
+        floor=hot.floor,
+        ncu=hot.ncu or {"available": False, "reason": "not asked for (CPU run)"},
+        analysis=analysis,
+        phase_s=phase_s,
+        golden_phase_s=bench.golden_phase_s,  # the golden child's own phases, when it ran
         # How the reference's timing loop ended (max_reps, stable, time_budget) and how long it ran.
-        "timing_run": {k: bench.get(k) for k in ("rounds", "stop_reason", "elapsed_s")},
-    }
-    floor_ms = (baseline["floor"] or {}).get("floor_ms")
-    baseline["sol_fraction"] = sol_fractions(floor_ms, baseline["eager_ms"], compiled)
+        timing_run={"rounds": bench.rounds, "stop_reason": bench.stop_reason, "elapsed_s": bench.elapsed_s},
+    )
+    baseline.sol_fraction = sol_fractions(baseline.floor_ms, baseline.eager_ms, compiled)
     update: dict[str, Any] = {"baseline": baseline, "diagnosis": diagnose(baseline), "started_at": started}
     if state.start_source:
         update.update(_verify_start(state, ctx, baseline))
     ctx.emit(
         "baseline",
-        eager_ms=baseline["eager_ms"],
+        eager_ms=baseline.eager_ms,
         compile_ms=compiled,
-        clock=baseline["clock"],
-        hotspots=baseline["hotspots"][:3],
-        floor_ms=floor_ms,
-        ncu=baseline["ncu"].get("available"),
+        clock=baseline.clock,
+        hotspots=[h.model_dump(mode="json") for h in baseline.hotspots[:3]],
+        floor_ms=baseline.floor_ms,
+        ncu=baseline.ncu.get("available"),
     )
     return update
 
@@ -101,13 +108,13 @@ def _analyze(state: CrewState, ctx: CrewContext) -> tuple[dict[str, Any], str]:
         return {"traced": False, "trace_error": str(exc)}, str(exc)
 
 
-def diagnose(baseline: dict[str, Any], best: Candidate | None = None) -> str:
+def diagnose(baseline: Baseline, best: Candidate | None = None) -> str:
     """What the planner reads: the graph, where time goes (Amdahl), eager against torch.compile,
     and the measured reading of the best candidate (or the reference) from
     :mod:`kernelcrew.agents.diagnosis`."""
     lines = []
-    hot = baseline.get("hotspots", [])
-    ops = (baseline.get("analysis") or {}).get("op_sequence") or []
+    hot = baseline.hotspots
+    ops = baseline.analysis.get("op_sequence") or []
     if ops:
         lines.append(
             f"reference graph: {len(ops)} ops: {', '.join(ops[:12])}{' ...' if len(ops) > 12 else ''}"
@@ -115,22 +122,22 @@ def diagnose(baseline: dict[str, Any], best: Candidate | None = None) -> str:
     if hot:
         top = hot[0]
         lines.append(
-            f"{len(hot)} distinct kernels/ops by {baseline.get('hotspot_clock')}; the top one, {top['name']}, "
-            f"takes {top['share']:.0%} of the time: a kernel replacing only it saves at most that much (Amdahl)"
+            f"{len(hot)} distinct kernels/ops by {baseline.hotspot_clock}; the top one, {top.name}, "
+            f"takes {top.share:.0%} of the time: a kernel replacing only it saves at most that much (Amdahl)"
         )
-        if len(hot) >= 3 and top["share"] < 0.6:
+        if len(hot) >= 3 and top.share < 0.6:
             lines.append(
                 "time is spread over several kernels: fusing them (one pass over memory) is the first lever"
             )
-    eager = baseline.get("eager_ms")
-    compiled = baseline.get("compile_ms") or {}
+    eager = baseline.eager_ms
+    compiled = baseline.compile_ms
     if eager and compiled:
         mode, best_compile = min(compiled.items(), key=lambda kv: kv[1])
         lines.append(
             f"eager {eager:.4g} ms; torch.compile ({mode}) {best_compile:.4g} ms = {eager / best_compile:.2f}x: "
             + ("fusion pays here" if eager / best_compile > 1.2 else "the compiler finds little to fuse")
         )
-    if baseline.get("clock") == "cpu-wall":
+    if baseline.clock == "cpu-wall":
         lines.append("timings are CPU wall clock (no GPU here): they do not drive decisions")
     lines.append(render(assess_subject(baseline, best), baseline))
     if best is not None and best.speedup_eager:
@@ -138,7 +145,7 @@ def diagnose(baseline: dict[str, Any], best: Candidate | None = None) -> str:
     return "\n".join(lines)
 
 
-def assess_subject(baseline: dict[str, Any], best: Candidate | None = None) -> dict[str, Any]:
+def assess_subject(baseline: Baseline, best: Candidate | None = None) -> dict[str, Any]:
     """The structured reading of the best candidate when it has Nsight Compute records, else of the
     reference."""
     if best is not None and best.ncu and best.ncu.get("available"):
@@ -157,12 +164,18 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     faster = timed.time_ms is not None and (
         best is None or best.time_ms is None or timed.time_ms < best.time_ms
     )
-    if timed.verdict == "pass" and faster and (state.baseline.get("ncu") or {}).get("available"):
+    if timed.verdict == "pass" and faster and state.baseline.ncu.get("available"):
         # Nsight Compute on each new fastest candidate: the next diagnosis reads its metrics.
         result = ctx.executor.profile(
-            ctx.request(state, candidate_source=timed.source, candidate_path=f"{timed.id}.py", ncu=True)
+            ctx.request(
+                ProfileRequest,
+                state,
+                candidate_source=timed.source,
+                candidate_path=f"{timed.id}.py",
+                ncu=True,
+            )
         )
-        timed.ncu = result.get("ncu")
+        timed.ncu = result.ncu
         ctx.emit("ncu", candidate=timed.id, available=(timed.ncu or {}).get("available"))
     return {"draft": timed}
 
@@ -170,22 +183,21 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
 def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candidate:
     """``cand`` with its time and speedup over eager (or failed, if a timed output was wrong)."""
     bench = _benchmark(state, ctx, cand)
-    timed = Candidate(**{**cand.__dict__})
-    if bench.get("failure"):
-        _fail(timed, bench["failure"])
+    timed = replace(cand)
+    if bench.failure is not None:
+        _fail(timed, bench.failure)
         ctx.emit("timing", candidate=cand.id, verdict="fail", message=timed.message)
         return timed
-    res = bench.get("results", {}).get(cand.id, {})
-    ratio = bench.get("ratios", {}).get(cand.id, {})
-    timed.time_ms = res.get("median_ms")
-    timed.speedup_eager = ratio.get("median")
-    timed.speedup_eager_ci = [ratio.get("ci_low"), ratio.get("ci_high")] if ratio else None
-    timed.significant = bool(ratio.get("significant"))
-    compiled = state.baseline.get("compile_ms") or {}
+    ratio = bench.ratios.get(cand.id)
+    timed.time_ms = bench.median_ms(cand.id)
+    timed.speedup_eager = ratio.median if ratio else None
+    timed.speedup_eager_ci = [ratio.ci_low, ratio.ci_high] if ratio else None
+    timed.significant = bool(ratio and ratio.significant)
+    compiled = state.baseline.compile_ms
     if compiled and timed.time_ms:
         # An estimate against the baseline run's compile time; finalize times both in one process.
         timed.speedup_compile = min(compiled.values()) / timed.time_ms
-    if bench.get("clock") == "cpu-wall":
+    if bench.clock == "cpu-wall":
         timed.flags = [*timed.flags, "CPU timings (wall clock): not GPU speedups"]
     else:
         timed = _check_floor(state, ctx, timed)
@@ -197,22 +209,28 @@ def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candi
         speedup_eager=timed.speedup_eager,
         significant=timed.significant,
         sol_fraction=timed.sol_fraction,
-        clock=bench.get("clock"),
+        clock=bench.clock,
     )
     return timed
 
 
-def _benchmark(state: CrewState, ctx: CrewContext, cand: Candidate) -> dict[str, Any]:
+def _benchmark(state: CrewState, ctx: CrewContext, cand: Candidate) -> BenchmarkResult:
     """One timing run of ``cand`` against eager (no compile baselines)."""
     return ctx.executor.benchmark(
-        ctx.request(state, candidates={cand.id: cand.source}, compile_modes=[], quick=state.options.quick)
+        ctx.request(
+            BenchmarkRequest,
+            state,
+            candidates={cand.id: cand.source},
+            compile_modes=[],
+            quick=state.options.quick,
+        )
     )
 
 
-def _fail(timed: Candidate, failure: dict[str, Any]) -> Candidate:
+def _fail(timed: Candidate, failure: TimingFailure) -> Candidate:
     """``timed`` marked failed by a timing run's ``failure`` (first in its list of failures)."""
-    timed.verdict, timed.stage, timed.message = "fail", failure["stage"], failure["message"]
-    timed.failures = [failure, *timed.failures]
+    timed.verdict, timed.stage, timed.message = "fail", failure.stage, failure.message
+    timed.failures = [failure.model_dump(mode="json"), *timed.failures]
     return timed
 
 
@@ -220,33 +238,34 @@ def _check_floor(state: CrewState, ctx: CrewContext, timed: Candidate) -> Candid
     """Fraction of speed of light, and the suspect rule: a time under ``suspect_floor_ratio`` x the
     floor is faster than the hardware allows, so it is measured a second time; it counts only if the
     second measurement confirms it, and stays flagged in the report either way."""
-    floor_ms = (state.baseline.get("floor") or {}).get("floor_ms")
+    floor_ms = state.baseline.floor_ms
     timed.sol_fraction = sol_fraction(floor_ms, timed.time_ms)
     ratio = get_settings().suspect_floor_ratio
     if not is_suspect(floor_ms, timed.time_ms, ratio):
         return timed
     first = timed.time_ms
     again = _benchmark(state, ctx, timed)
-    second = again.get("results", {}).get(timed.id, {}).get("median_ms")
-    ratio_again = again.get("ratios", {}).get(timed.id, {})
+    second = again.median_ms(timed.id)
+    ratio_again = again.ratios.get(timed.id)
     note = (
         f"suspect: {first:.4g} ms is below {ratio:g}x the speed-of-light floor ({floor_ms:.4g} ms); "
         f"second measurement {second if second is None else f'{second:.4g} ms'}"
     )
-    if again.get("failure") or second is None or not is_suspect(floor_ms, second, ratio):
+    if again.failure is not None or second is None or not is_suspect(floor_ms, second, ratio):
         # Not confirmed: the second measurement (or its failure) is what counts.
         timed.flags = [*timed.flags, note + ": not confirmed, first timing discarded"]
-        if again.get("failure"):
-            return _fail(timed, again["failure"])
-        timed.time_ms, timed.speedup_eager = second, ratio_again.get("median")
-        timed.significant = bool(ratio_again.get("significant"))
+        if again.failure is not None:
+            return _fail(timed, again.failure)
+        timed.time_ms = second
+        timed.speedup_eager = ratio_again.median if ratio_again else None
+        timed.significant = bool(ratio_again and ratio_again.significant)
         timed.sol_fraction = sol_fraction(floor_ms, second)
         return timed
     timed.flags = [*timed.flags, note + ": confirmed (check the floor's peaks and bytes)"]
     return timed
 
 
-def _verify_start(state: CrewState, ctx: CrewContext, baseline: dict[str, Any]) -> dict[str, Any]:
+def _verify_start(state: CrewState, ctx: CrewContext, baseline: Baseline) -> dict[str, Any]:
     """Verify and time the user's starting kernel: the best to branch from, if it passes."""
     from kernelcrew.tools.build import detect_source_kind
 
@@ -258,14 +277,10 @@ def _verify_start(state: CrewState, ctx: CrewContext, baseline: dict[str, Any]) 
         source=state.start_source or "",
     )
     verdict = ctx.executor.verify(
-        ctx.request(state, candidate_source=start.source, candidate_path="start.py")
+        ctx.request(VerifyRequest, state, candidate_source=start.source, candidate_path="start.py")
     )
-    start.verdict, start.stage, start.message = verdict["verdict"], verdict["stage"], verdict["message"]
-    start.kind, start.failures, start.flags = (
-        verdict.get("kind"),
-        verdict.get("failures", []),
-        verdict.get("flags", []),
-    )
+    start.verdict, start.stage, start.message = verdict.verdict, verdict.stage, verdict.message
+    start.kind, start.failures, start.flags = verdict.kind, verdict.failures, verdict.flags
     ctx.emit("verify", candidate="start", verdict=start.verdict, stage=start.stage, message=start.message)
     record: dict[str, Any] = {"step": 0, **start.summary(), "new_best": False}
     if start.verdict != "pass":

@@ -19,9 +19,9 @@ from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.knowledge import record_best
 from kernelcrew.agents.profiler import assess_subject
 from kernelcrew.agents.state import CrewState
+from kernelcrew.records import Baseline, BenchmarkRequest, FinalTiming, Report, ReportBaseline, ReportBest
 from kernelcrew.tools.packaging import custom_op_name, packable, package
 from kernelcrew.tools.roofline import sol_fraction, sol_fractions
-from kernelcrew.tools.timing import compile_medians
 
 
 def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -29,60 +29,58 @@ def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     ctx = runtime.context
     opts = state.options
     best = state.best
-    final: dict[str, Any] = {}
+    final: FinalTiming | None = None
     if best is not None:
         bench = ctx.executor.benchmark(
             ctx.request(
+                BenchmarkRequest,
                 state,
                 candidates={best.id: best.source},
                 compile_modes=list(opts.compile_modes),
                 quick=opts.quick,
             )
         )
-        results = bench.get("results", {})
-        ratios = bench.get("ratios", {})
-        compiled = compile_medians(bench)
-        best_ms = results.get(best.id, {}).get("median_ms")
-        final = {
-            "clock": bench.get("clock"),
-            "eager_ms": results.get("eager", {}).get("median_ms"),
-            "compile_ms": compiled,
-            "best_ms": best_ms,
-            "speedup_eager": ratios.get(best.id, {}).get("median"),
-            "speedup_eager_ci": [
-                ratios.get(best.id, {}).get("ci_low"),
-                ratios.get(best.id, {}).get("ci_high"),
-            ],
-            "significant": ratios.get(best.id, {}).get("significant"),
-            "speedup_compile": (min(compiled.values()) / best_ms) if compiled and best_ms else None,
-            "failure": bench.get("failure"),
-        }
+        ratio = bench.ratios.get(best.id)
+        compiled = bench.compile_medians()
+        best_ms = bench.median_ms(best.id)
+        final = FinalTiming(
+            clock=bench.clock,
+            eager_ms=bench.median_ms("eager"),
+            compile_ms=compiled,
+            best_ms=best_ms,
+            speedup_eager=ratio.median if ratio else None,
+            speedup_eager_ci=[ratio.ci_low if ratio else None, ratio.ci_high if ratio else None],
+            significant=ratio.significant if ratio else None,
+            speedup_compile=(min(compiled.values()) / best_ms) if compiled and best_ms else None,
+            failure=bench.failure,
+        )
     recorded = record_best(state, ctx, final)
     report = build_report(state, final, ctx)
-    report["knowledge_base"] = {
+    report.knowledge_base = {
         "hits": [{k: h[k] for k in ("id", "match", "why", "line")} for h in state.kb_hits or []],
         "recorded": recorded,
     }
     best_py = None
-    if best is not None:
-        best_py, report["best"]["packaging"] = deliverable(best.source, best.source_kind)
+    if best is not None and report.best is not None:
+        best_py, report.best.packaging = deliverable(best.source, best.source_kind)
     if ctx.out_dir is not None:
         write_report(ctx.out_dir, report, best_py)
-    ctx.emit("done", status=report["status"], stop_reason=state.stop_reason, best=report["best"])
-    return {"report": report, "status": report["status"]}
+    best_json = report.best.model_dump(mode="json") if report.best is not None else None
+    ctx.emit("done", status=report.status, stop_reason=state.stop_reason, best=best_json)
+    return {"report": report, "status": report.status}
 
 
-def build_report(state: CrewState, final: dict[str, Any], ctx: CrewContext) -> dict[str, Any]:
+def build_report(state: CrewState, final: FinalTiming | None, ctx: CrewContext) -> Report:
     opts = state.options
     base = state.baseline
     best = state.best
-    hardware = base.get("hardware") or {}
+    hardware = base.hardware
     if best is None:
         verified = any(it.get("verdict") == "pass" for it in state.iterations)
         status = "no_significant_gain" if verified else "no_verified_candidate"
     elif opts.device == "cpu":
         status = "verified_cpu_only"
-    elif final.get("significant"):
+    elif final is not None and final.significant:
         status = "improved"
     else:
         status = "no_significant_gain"
@@ -90,66 +88,66 @@ def build_report(state: CrewState, final: dict[str, Any], ctx: CrewContext) -> d
     cmd += ["--backend", opts.backend, "--max-iters", str(opts.max_iters), "--seed", str(opts.seed)]
     if opts.model:
         cmd += ["--model", opts.model]
-    return {
-        "run_id": ctx.run_id,
-        "status": status,
-        "stop_reason": state.stop_reason,
-        "task": state.task_path,
-        "device": opts.device,
-        "gpu_model": hardware.get("model"),
-        "gpu_name": hardware.get("name"),
-        "arch": hardware.get("arch"),
-        "versions": base.get("versions"),
-        "precision": opts.precision,
-        "backend": opts.backend,
-        "model": opts.model or None,
-        "seed": opts.seed,
-        "scope": "forward only (no backward kernels)",
-        "clock": base.get("clock"),
-        "timings_note": "CPU wall-clock timings (Triton interpreter): not GPU speedups"
-        if base.get("clock") == "cpu-wall"
+    return Report(
+        run_id=ctx.run_id,
+        status=status,
+        stop_reason=state.stop_reason,
+        task=state.task_path,
+        device=opts.device,
+        gpu_model=hardware.get("model"),
+        gpu_name=hardware.get("name"),
+        arch=hardware.get("arch"),
+        versions=base.versions,
+        precision=opts.precision,
+        backend=opts.backend,
+        model=opts.model or None,
+        seed=opts.seed,
+        scope="forward only (no backward kernels)",
+        clock=base.clock,
+        timings_note="CPU wall-clock timings (Triton interpreter): not GPU speedups"
+        if base.clock == "cpu-wall"
         else "CUDA-event medians, interleaved, L2 flushed",
-        "baseline": {
-            "eager_ms": base.get("eager_ms"),
-            "compile_ms": base.get("compile_ms"),
-            "compile_s": base.get("compile_s"),
-            "hotspots": base.get("hotspots", [])[:5],
-            "phase_s": base.get("phase_s"),
-            "golden_phase_s": base.get("golden_phase_s"),
-            "timing_run": base.get("timing_run"),
-        },
-        "best": None
+        baseline=ReportBaseline(
+            eager_ms=base.eager_ms,
+            compile_ms=base.compile_ms,
+            compile_s=base.compile_s,
+            hotspots=base.hotspots[:5],
+            phase_s=base.phase_s,
+            golden_phase_s=base.golden_phase_s,
+            timing_run=base.timing_run,
+        ),
+        best=None
         if best is None
-        else {
-            "id": best.id,
-            "strategy": best.strategy,
-            "params": best.params,
-            "kind": best.kind,
-            "source_kind": best.source_kind,
-            "flags": best.flags,
-            **final,
-        },
-        "roofline": _roofline(base, final),
-        "ncu": {"reference": base.get("ncu"), "best": best.ncu if best else None},
-        "diagnosis": assess_subject(base, best),
-        "iterations": state.iterations,
-        "replies": state.replies,
-        "usage": state.usage or {"calls": 0, "note": "offline playbook: no LLM tokens"},
-        "elapsed_s": state.elapsed_s,
-        "reproduce": shlex.join(cmd),
-    }
+        else ReportBest(
+            id=best.id,
+            strategy=best.strategy,
+            params=best.params,
+            kind=best.kind,
+            source_kind=best.source_kind,
+            flags=best.flags,
+            **(final or FinalTiming()).model_dump(),
+        ),
+        roofline=_roofline(base, final),
+        ncu={"reference": base.ncu, "best": best.ncu if best else None},
+        diagnosis=assess_subject(base, best),
+        iterations=state.iterations,
+        replies=state.replies,
+        usage=state.usage or {"calls": 0, "note": "offline playbook: no LLM tokens"},
+        elapsed_s=state.elapsed_s,
+        reproduce=shlex.join(cmd),
+    )
 
 
-def _roofline(base: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
+def _roofline(base: Baseline, final: FinalTiming | None) -> dict[str, Any]:
     """The floor and how close eager, torch.compile and the best run to it (final measurement)."""
-    floor = base.get("floor") or {}
+    floor = base.floor or {}
     floor_ms = floor.get("floor_ms")
-    eager_ms = final.get("eager_ms") or base.get("eager_ms")
-    compiled = final.get("compile_ms") or base.get("compile_ms") or {}
+    eager_ms = (final.eager_ms if final else None) or base.eager_ms
+    compiled = (final.compile_ms if final else None) or base.compile_ms
     fractions = sol_fractions(floor_ms, eager_ms, compiled)
-    if final.get("best_ms"):
-        fractions["best"] = sol_fraction(floor_ms, final["best_ms"])
-    return {"work": base.get("work"), "floor": floor, "peaks": base.get("peaks"), "sol_fraction": fractions}
+    if final is not None and final.best_ms:
+        fractions["best"] = sol_fraction(floor_ms, final.best_ms)
+    return {"work": base.work, "floor": floor, "peaks": base.peaks, "sol_fraction": fractions}
 
 
 def deliverable(source: str, source_kind: str) -> tuple[str, dict[str, Any]]:
@@ -163,9 +161,9 @@ def deliverable(source: str, source_kind: str) -> tuple[str, dict[str, Any]]:
     return packaged, {"custom_op": custom_op_name(packaged), "why": "own Triton kernels"}
 
 
-def write_report(out_dir: Path, report: dict[str, Any], best_source: str | None) -> None:
+def write_report(out_dir: Path, report: Report, best_source: str | None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "report.json").write_text(json.dumps(report.model_dump(mode="json"), indent=2, default=str))
     (out_dir / "report.md").write_text(render_markdown(report))
     if best_source is not None:
         (out_dir / "best.py").write_text(best_source)
@@ -255,7 +253,9 @@ def _ncu_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(record: Report) -> str:
+    """report.md: the report's tables and lists as markdown."""
+    report = record.model_dump(mode="json")
     best = report["best"]
     base = report["baseline"]
     # One table, one measurement: the final benchmark's eager and compile times when it ran.

@@ -21,6 +21,7 @@ from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.graph import compile_graph, sqlite_checkpointer
 from kernelcrew.agents.state import CrewState, Options
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.records import Report
 from kernelcrew.task import TaskError, check_source, read_source
 from kernelcrew.tools.packaging import unpack
 
@@ -90,7 +91,7 @@ def run_optimize(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     thread_id: str | None = None,
     checkpointer: Any = None,
-) -> dict[str, Any] | None:
+) -> Report | None:
     """Start or continue a run and return its report (``None`` if it ended without one).
 
     ``executor``, ``chat`` and ``kb`` are injectable (tests, the service); by default a
@@ -173,9 +174,11 @@ def run_optimize(
         ctx.executor.close()
     final = graph.get_state(config).values
     report = final.get("report") or None
-    if report:
+    if isinstance(report, dict):  # a checkpoint written before the report was a record
+        report = Report.model_validate(report)
+    if report is not None:
         where = ctx.out_dir
-        out.print(f"[bold]{report['status']}[/]: {report['stop_reason']}. Report: {where}/report.md")
+        out.print(f"[bold]{report.status}[/]: {report.stop_reason}. Report: {where}/report.md")
     return report
 
 

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
+from kernelcrew.records import Baseline, Report
+
 
 class PlanStep(BaseModel):
     """One next step, as the planner returns it (validated: an invalid answer is re-asked)."""
@@ -79,7 +81,7 @@ class CrewState:
     options: Options = field(default_factory=Options)
     start_source: str | None = None
     """A user's kernel to start from (``--start``), verified before anything builds on it."""
-    baseline: dict[str, Any] = field(default_factory=dict)
+    baseline: Baseline = field(default_factory=Baseline)
     """Eager and torch.compile timings, hotspots and the graph analysis of the reference."""
     diagnosis: str = ""
     """The profiler's latest reading of where time goes, for the planner."""
@@ -112,4 +114,12 @@ class CrewState:
     """Tokens and cost per agent (an LLM UsageMeter as a dict)."""
     stop_reason: str = ""
     status: str = "running"
-    report: dict[str, Any] = field(default_factory=dict)
+    report: Report | None = None
+    """The final report (set by finalize)."""
+
+    def __post_init__(self) -> None:
+        # A checkpoint written before these fields were records holds them as dicts.
+        if isinstance(self.baseline, dict):
+            self.baseline = Baseline.model_validate(self.baseline)
+        if isinstance(self.report, dict):
+            self.report = Report.model_validate(self.report) if self.report else None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
 from kernelcrew.agents.context import CrewContext
-from kernelcrew.agents.state import Candidate, CrewState
+from kernelcrew.agents.state import CrewState
+from kernelcrew.records import VerifyRequest
 
 
 def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -17,18 +19,16 @@ def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     if draft is None:
         raise ValueError("verify reached without a draft")
     verdict = ctx.executor.verify(
-        ctx.request(state, candidate_source=draft.source, candidate_path=f"{draft.id}.py")
+        ctx.request(VerifyRequest, state, candidate_source=draft.source, candidate_path=f"{draft.id}.py")
     )
-    checked = Candidate(
-        **{
-            **draft.__dict__,
-            "verdict": verdict["verdict"],
-            "stage": verdict["stage"],
-            "message": verdict["message"],
-            "kind": verdict.get("kind"),
-            "failures": verdict.get("failures", []),
-            "flags": verdict.get("flags", []),
-        }
+    checked = replace(
+        draft,
+        verdict=verdict.verdict,
+        stage=verdict.stage,
+        message=verdict.message,
+        kind=verdict.kind,
+        failures=verdict.failures,
+        flags=verdict.flags,
     )
     ctx.emit(
         "verify", candidate=draft.id, verdict=checked.verdict, stage=checked.stage, message=checked.message

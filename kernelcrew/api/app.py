@@ -239,10 +239,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             job = own_job(session, job_id, who)
             if job.status not in jobs.ENDED:
                 raise HTTPException(409, f"job {job_id} is {job.status}; no result yet")
-            result = dict(job.result or {})
-            best = result.pop("_best_py", None)
-            report_md = result.pop("_report_md", None)
-            return {**job.to_dict(), "result": result, "best_source": best, "report_md": report_md}
+            outcome = job.outcome()
+            if outcome is None:
+                return {**job.to_dict(), "result": {}, "best_source": None, "report_md": None}
+            return {
+                **job.to_dict(),
+                "result": outcome.report.model_dump(mode="json"),
+                "best_source": outcome.best_source,
+                "report_md": outcome.report_md,
+            }
 
     @app.get(f"{PREFIX}/jobs/{{job_id}}/events")
     def job_events(

@@ -37,6 +37,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from kernelcrew.knowledge_base.db import Base, transaction
+from kernelcrew.records import JobResult
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 ENDED = ("succeeded", "failed", "cancelled")
@@ -90,11 +91,16 @@ class Job(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """A :class:`~kernelcrew.records.JobResult`'s JSON (read it with :meth:`outcome`)."""
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    def outcome(self) -> JobResult | None:
+        """The stored result as a record (rows of older versions included), or None before it ends."""
+        return None if self.result is None else JobResult.model_validate(self.result)
 
     def to_dict(self) -> dict[str, Any]:
         def iso(d: datetime | None) -> str | None:
@@ -260,9 +266,16 @@ def renew_lease(engine: Engine, job_id: str, owner: str, lease_s: float) -> bool
 
 
 def finish_job(
-    engine: Engine, job_id: str, owner: str, status: str, *, result: Any = None, error: str | None = None
+    engine: Engine,
+    job_id: str,
+    owner: str,
+    status: str,
+    *,
+    result: JobResult | None = None,
+    error: str | None = None,
 ) -> bool:
-    """End a job we hold (False: the lease was lost, another orchestrator owns it now)."""
+    """End a job we hold (False: the lease was lost, another orchestrator owns it now), storing its
+    result's JSON."""
     t = now()
     with transaction(engine) as s:
         res = s.execute(
@@ -270,7 +283,7 @@ def finish_job(
             .where(Job.id == job_id, Job.lease_owner == owner, Job.status == "running")
             .values(
                 status=status,
-                result=result,
+                result=None if result is None else result.model_dump(mode="json"),
                 error=error,
                 lease_owner=None,
                 lease_expires_at=None,

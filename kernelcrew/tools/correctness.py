@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.records import Verdict
 from kernelcrew.task import TaskError, check_source
 from kernelcrew.tools import sandbox
 from kernelcrew.tools.anticheat import classify_kind, static_check
@@ -326,34 +327,6 @@ def _tf32_hint(failure: dict[str, Any], dtype: str, policy: str) -> str:
     return ""
 
 
-@dataclass
-class Verdict:
-    """Everything :func:`verify` found; ``to_dict`` is the JSON the CLI prints."""
-
-    verdict: str
-    stage: str
-    message: str
-    seed: int
-    device: str
-    precision: str
-    kind: str | None = None
-    kind_evidence: dict[str, Any] = field(default_factory=dict)
-    max_rel_error: float | None = None
-    flags: list[str] = field(default_factory=list)
-    checks: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    input_sets: list[dict[str, Any]] = field(default_factory=list)
-    isolation: dict[str, Any] = field(default_factory=dict)
-    golden_mode: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def _sandbox_failure(res: sandbox.SandboxResult, default_stage: str) -> Failure:
     if res.status == "timeout":
         return Failure("timeout", res.message)
@@ -519,7 +492,7 @@ def verify(
     seed = golden.seed if golden else (secrets.randbits(31) if seed is None else int(seed))
     device = golden.device if golden else device
     precision = golden.precision if golden else precision
-    verdict = Verdict("fail", "", "", seed=seed, device=device, precision=precision)
+    verdict = Verdict(verdict="fail", stage="", message="", seed=seed, device=device, precision=precision)
 
     if packaged:
         verdict.checks.append(

@@ -18,6 +18,16 @@ from collections import OrderedDict
 from typing import Any, Protocol
 
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.records import (
+    BenchmarkRequest,
+    BenchmarkResult,
+    ExecutorRequest,
+    ProfileRequest,
+    ProfileResult,
+    ReferenceProfile,
+    Verdict,
+    VerifyRequest,
+)
 from kernelcrew.task import TaskError
 from kernelcrew.tools import sandbox
 from kernelcrew.tools.harness import Laps
@@ -29,26 +39,24 @@ class ExecutorError(RuntimeError):
 
 
 class Executor(Protocol):
-    """The three GPU operations of the crew; requests and results are plain JSON."""
+    """The three GPU operations of the crew; requests and results are the JSON-serializable
+    records of :mod:`kernelcrew.records`."""
 
-    def verify(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``{task_source, task_path, candidate_source, candidate_path, device, precision, seed}``
-        -> the verdict (:class:`kernelcrew.tools.correctness.Verdict` as a dict)."""
+    def verify(self, request: VerifyRequest) -> Verdict:
+        """The verdict of the verification protocol on the request's candidate."""
         ...
 
-    def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``{task_source, task_path, candidates: {name: source}, device, precision, seed,
-        compile_modes, quick, [hotspots]}`` -> the timing result of
-        :func:`kernelcrew.tools.timing.benchmark` (with ``hotspots``, the reference's ranked kernels
-        and work under ``"profile"``)."""
+    def benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:
+        """The timing of eager, the torch.compile modes and the candidates
+        (:func:`kernelcrew.tools.timing.benchmark`); with ``hotspots``, the reference's ranked
+        kernels and work under ``profile``."""
         ...
 
-    def profile(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``{task_source, task_path, device, precision, seed, [candidate_source], [ncu],
-        [hotspots], [work]}`` -> the reference's kernels ranked by time (``hotspots``, unless
-        ``hotspots`` is false) and its ``work`` (bytes, flops; or the request's), the device's
-        ``peaks`` and the task's ``floor`` (:mod:`kernelcrew.tools.roofline`), and with ``ncu`` the
-        Nsight Compute summary of the reference or the candidate (:func:`kernelcrew.tools.ncu.profile`)."""
+    def profile(self, request: ProfileRequest) -> ProfileResult:
+        """The reference's kernels ranked by time (``hotspots``, unless ``hotspots`` is false) and
+        its ``work`` (or the request's), the device's ``peaks`` and the task's ``floor``
+        (:mod:`kernelcrew.tools.roofline`), and with ``ncu`` the Nsight Compute summary of the
+        reference or the candidate (:func:`kernelcrew.tools.ncu.profile`)."""
         ...
 
     def close(self) -> None:
@@ -56,9 +64,9 @@ class Executor(Protocol):
         ...
 
 
-def _key(request: dict[str, Any]) -> tuple[str, str, str, int]:
-    digest = hashlib.sha256(request["task_source"].encode()).hexdigest()
-    return digest, request["device"], request["precision"], int(request["seed"])
+def _key(request: ExecutorRequest) -> tuple[str, str, str, int]:
+    digest = hashlib.sha256(request.task_source.encode()).hexdigest()
+    return digest, request.device, request.precision, request.seed
 
 
 class LocalExecutor:
@@ -75,7 +83,7 @@ class LocalExecutor:
         self.max_goldens = max_goldens
         self._goldens: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
 
-    def golden(self, request: dict[str, Any]) -> Any:
+    def golden(self, request: ExecutorRequest) -> Any:
         from kernelcrew.tools.correctness import make_golden
 
         key = _key(request)
@@ -86,53 +94,52 @@ class LocalExecutor:
                 _, oldest = self._goldens.popitem(last=False)
                 oldest.cleanup()
             self._goldens[key] = make_golden(
-                request["task_source"],
-                device=request["device"],
-                precision=request["precision"],
-                seed=int(request["seed"]),
-                task_path=request.get("task_path", "task.py"),
+                request.task_source,
+                device=request.device,
+                precision=request.precision,
+                seed=request.seed,
+                task_path=request.task_path,
                 settings=self.settings,
             )
         return self._goldens[key]
 
-    def verify(self, request: dict[str, Any]) -> dict[str, Any]:
+    def verify(self, request: VerifyRequest) -> Verdict:
         from kernelcrew.tools.correctness import verify
 
         golden = self.golden(request)
-        verdict = verify(
-            request["task_source"],
-            request["candidate_source"],
-            candidate_path=request.get("candidate_path", "candidate.py"),
-            task_path=request.get("task_path", "task.py"),
+        return verify(
+            request.task_source,
+            request.candidate_source,
+            candidate_path=request.candidate_path,
+            task_path=request.task_path,
             golden=golden,
             settings=self.settings,
         )
-        return verdict.to_dict()
 
-    def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
+    def benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:
         from kernelcrew.tools.timing import benchmark
 
         lap = Laps()
         golden = self.golden(request)
         golden_s = lap("golden")
-        candidates = {name: (source, f"{name}.py") for name, source in request.get("candidates", {}).items()}
+        candidates = {name: (source, f"{name}.py") for name, source in request.candidates.items()}
         result = benchmark(
-            request["task_source"],
+            request.task_source,
             candidates,
-            compile_modes=request.get("compile_modes", ()),
-            quick=bool(request.get("quick", False)),
+            compile_modes=request.compile_modes,
+            quick=request.quick,
             golden=golden,
-            task_path=request.get("task_path", "task.py"),
-            hotspots=bool(request.get("hotspots", False)),
+            task_path=request.task_path,
+            hotspots=request.hotspots,
             settings=self.settings,
         )
         lap("benchmark")
-        result["phase_s"] = lap.seconds
+        result.phase_s = lap.seconds
         if golden_s:
-            result["golden_phase_s"] = golden.meta.get("phase_s", {})
+            result.golden_phase_s = golden.meta.get("phase_s", {})
         return result
 
-    def profile(self, request: dict[str, Any]) -> dict[str, Any]:
+    def profile(self, request: ProfileRequest) -> ProfileResult:
         """The reference's hotspots and work (no ``candidate_source``) or a candidate's, the device's
         peaks and the task's floor, and Nsight Compute's records when ``ncu`` is asked for."""
         from kernelcrew.tools import ncu, roofline
@@ -141,47 +148,46 @@ class LocalExecutor:
         lap = Laps()
         golden = self.golden(request)  # validates the task and fixes the weights and inputs
         lap("golden")
-        candidate = request.get("candidate_source")
-        out: dict[str, Any] = {}
-        if not candidate and request.get("hotspots", True):
-            out = self._hotspots(golden, request)
+        out = ProfileResult()
+        if not request.candidate_source and request.hotspots:
+            ranked = self._hotspots(golden, request)
+            out = ProfileResult(**dict(ranked))
             lap("hotspots")
-        hardware = detect(request["device"]).to_dict()
-        peaks = roofline.peaks_for(hardware, self.settings)
-        out.update(hardware=hardware, peaks=peaks.to_dict())
-        work = out.get("work") or request.get("work")
+        out.hardware = detect(request.device).to_dict()
+        peaks = roofline.peaks_for(out.hardware, self.settings)
+        out.peaks = peaks.to_dict()
+        work = out.work or request.work
         if work:
-            out["work"], out["floor"] = work, roofline.floor(work, peaks)
-        if request.get("ncu"):
+            out.work, out.floor = work, roofline.floor(work, peaks)
+        if request.ncu:
             result = ncu.profile(
                 golden,
-                candidate,
-                candidate_path=request.get("candidate_path", "candidate.py"),
-                kernel_filter=request.get("kernel_filter", ""),
+                request.candidate_source,
+                candidate_path=request.candidate_path,
+                kernel_filter=request.kernel_filter,
                 settings=self.settings,
             )
             result.pop("records", None)  # the per-launch records stay here; the summary travels
-            out["ncu"] = result
+            out.ncu = result
             lap("ncu")
-        out["phase_s"] = lap.seconds
+        out.phase_s = lap.seconds
         return out
 
-    def _hotspots(self, golden: Any, request: dict[str, Any]) -> dict[str, Any]:
+    def _hotspots(self, golden: Any, request: ExecutorRequest) -> ReferenceProfile:
         from kernelcrew.tools.correctness import share_inputs
 
         workdir = sandbox.make_workdir("kc-profile-")
         try:
             share_inputs(golden, workdir, self.settings)
-            payload = {k: request[k] for k in ("task_source", "device", "precision", "seed")}
-            payload["task_path"] = request.get("task_path", "task.py")
+            payload = request.model_dump(include={"task_source", "task_path", "device", "precision", "seed"})
             res = sandbox.run(
                 "kernelcrew.tools.harness:profile_child", payload, workdir=workdir, settings=self.settings
             )
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         if not res.ok:
-            raise TaskError(f"profiling the reference failed: {res.message}", path=request.get("task_path"))
-        return res.value or {}
+            raise TaskError(f"profiling the reference failed: {res.message}", path=request.task_path)
+        return ReferenceProfile.model_validate(res.value)
 
     def close(self) -> None:
         for golden in self._goldens.values():

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from kernelcrew.config import Settings
+from kernelcrew.records import BenchmarkResult, TimingFailure
 
 if TYPE_CHECKING:
     from kernelcrew.tools.correctness import Golden
@@ -69,12 +70,6 @@ CLOCK_CPU = "cpu-wall"
 CI_LEVEL = 0.95
 CI_METHOD = "order-statistic (sign-test) 95% interval of the median per-round ratio baseline/candidate"
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def compile_medians(bench: dict[str, Any]) -> dict[str, float]:
-    """The median time of each ``torch.compile`` baseline in a :func:`benchmark` result, by mode."""
-    results = bench.get("results", {})
-    return {k.split(":", 1)[1]: v["median_ms"] for k, v in results.items() if k.startswith("compile:")}
 
 
 def parse_compile_modes(spec: str, device: str) -> list[str]:
@@ -758,7 +753,7 @@ def benchmark(
     sample_outputs: int = 3,
     hotspots: bool = False,
     settings: Settings | None = None,
-) -> dict[str, Any]:
+) -> BenchmarkResult:
     """Time eager, the ``torch.compile`` baselines and ``candidates`` ({name: (source, path)}) together.
 
     With ``hotspots`` the same child then ranks the reference's kernels and measures its work
@@ -814,9 +809,9 @@ def benchmark(
             stage = (res.value or {}).get("stage") or {"timeout": "timeout", "crashed": "crash"}.get(
                 res.status, "timing"
             )
-            return {"failure": {"stage": stage, "message": f"timing run failed: {res.message}"}, "seed": seed}
-        result = dict(res.value or {})
-        result["seed"] = seed
+            failure = TimingFailure(stage=stage, message=f"timing run failed: {res.message}")
+            return BenchmarkResult(failure=failure, seed=seed)
+        result = BenchmarkResult.model_validate({**(res.value or {}), "seed": seed})
         samples_path = workdir / "child" / "samples.pt"
         if golden is not None and samples_path.exists():
             samples = torch.load(samples_path, weights_only=True, mmap=True)
@@ -831,12 +826,12 @@ def benchmark(
                     verdict = compare_output(c, g, n, tol)
                     checked += 1
                     if not verdict["ok"]:
-                        result["failure"] = {
-                            "stage": "timed_output",
-                            "message": f"{name}: the output of a timed call on input set {idx} is wrong: {verdict['message']}",
-                        }
+                        result.failure = TimingFailure(
+                            stage="timed_output",
+                            message=f"{name}: the output of a timed call on input set {idx} is wrong: {verdict['message']}",
+                        )
                         break
-            result["samples_checked"] = checked
+            result.samples_checked = checked
         return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -230,7 +230,8 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
     def download_best(request: Request, job_id: str) -> Response:
         viewer = require_viewer(request, engine)
         with transaction(engine) as session:
-            source = (own_job(session, job_id, viewer).result or {}).get("_best_py")
+            outcome = own_job(session, job_id, viewer).outcome()
+        source = outcome.best_source if outcome is not None else None
         if not source:
             raise HTTPException(404, f"job {job_id} has no best source")
         return download(source, f"{job_id}-best.py", "text/x-python")
@@ -239,14 +240,14 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
     def download_report(request: Request, job_id: str, fmt: str) -> Response:
         viewer = require_viewer(request, engine)
         with transaction(engine) as session:
-            result = own_job(session, job_id, viewer).result
-        if not result or fmt not in ("json", "md"):
+            outcome = own_job(session, job_id, viewer).outcome()
+        if outcome is None or fmt not in ("json", "md"):
             raise HTTPException(404, f"job {job_id} has no {fmt} report")
         if fmt == "md":
-            if not result.get("_report_md"):
+            if not outcome.report_md:
                 raise HTTPException(404, f"job {job_id} has no markdown report")
-            return download(result["_report_md"], f"{job_id}-report.md", "text/markdown")
-        body = json.dumps(views.public_result(result), indent=2, default=str)
+            return download(outcome.report_md, f"{job_id}-report.md", "text/markdown")
+        body = json.dumps(views.public_result(outcome), indent=2, default=str)
         return download(body, f"{job_id}-report.json", "application/json")
 
     # -- knowledge base and workers --------------------------------------------------------------
@@ -452,10 +453,11 @@ def job_events(session: Any, job_id: str) -> list[tuple[int, str, dict[str, Any]
 
 def job_context(job: jobs.Job, events: list[tuple[int, str, dict[str, Any]]]) -> dict[str, Any]:
     """Everything the job page shows, live parts from the events and the evidence from the report."""
-    report = views.public_result(job.result)
+    outcome = job.outcome()
+    report = views.public_result(outcome)
     progress = views.progress_of(events)
-    best_source = (job.result or {}).get("_best_py")
-    speedup, cpu_timing = views.best_speedup(report)
+    best_source = outcome.best_source if outcome is not None else None
+    speedup, cpu_timing = views.best_speedup(outcome)
     return {
         "job": job,
         "row": views.job_row(job),
@@ -470,7 +472,7 @@ def job_context(job: jobs.Job, events: list[tuple[int, str, dict[str, Any]]]) ->
         "diff": unified_diff(job.task_source, best_source, ("reference (task.py)", "best.py"))
         if best_source
         else [],
-        "has_report_md": bool((job.result or {}).get("_report_md")),
+        "has_report_md": bool(outcome is not None and outcome.report_md),
     }
 
 

@@ -14,10 +14,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kernelcrew.agents.report import _NCU_ROWS, _stalls
+from kernelcrew.records import JobResult, Report, VerifyOutcome
 from kernelcrew.task import parse_python
 from kernelcrew.web.charts import Chart, Series, roofline_chart, time_chart
-
-PRIVATE_RESULT_KEYS = ("_best_py", "_report_md")
 
 
 def task_name(source: str) -> str:
@@ -43,28 +42,29 @@ def age(when: datetime | None, now: datetime | None = None) -> str:
     return f"{seconds} s ago"
 
 
-def public_result(result: dict[str, Any] | None) -> dict[str, Any]:
-    """The report without the stored files (best source, markdown), which are shown on their own."""
-    return {k: v for k, v in (result or {}).items() if k not in PRIVATE_RESULT_KEYS}
+def public_result(outcome: JobResult | None) -> dict[str, Any]:
+    """The report's JSON without the stored files (best source, markdown), which are shown on their own."""
+    return {} if outcome is None else outcome.report.model_dump(mode="json")
 
 
-def target_of(options: dict[str, Any], result: dict[str, Any]) -> str:
+def target_of(options: dict[str, Any], outcome: JobResult | None) -> str:
     """Where the job ran (from its report) or was asked to run (from its options)."""
-    if result.get("gpu_name") and result.get("device") != "cpu":
-        return f"{result['gpu_name']} ({result.get('arch')})"
-    if options.get("device") == "cpu" or result.get("device") == "cpu":
+    report = outcome.report if outcome is not None and isinstance(outcome.report, Report) else None
+    if report is not None and report.gpu_name and report.device != "cpu":
+        return f"{report.gpu_name} ({report.arch})"
+    if options.get("device") == "cpu" or (report is not None and report.device == "cpu"):
         return "CPU"
     return options.get("gpu") or "any GPU"
 
 
-def best_speedup(result: dict[str, Any]) -> tuple[float | None, bool]:
+def best_speedup(outcome: JobResult | None) -> tuple[float | None, bool]:
     """The best speedup over eager and whether it is a CPU timing (never a GPU speedup)."""
-    best = result.get("best") or {}
-    if best.get("speedup_eager") is not None:
-        return best["speedup_eager"], best.get("clock") == "cpu-wall" or result.get("device") == "cpu"
-    if result.get("speedup") is not None:  # a verify job
-        clock = ((result.get("timing") or {}).get("clock")) or ""
-        return result["speedup"], clock == "cpu-wall"
+    report = outcome.report if outcome is not None else None
+    if isinstance(report, Report) and report.best is not None and report.best.speedup_eager is not None:
+        return report.best.speedup_eager, report.best.clock == "cpu-wall" or report.device == "cpu"
+    if isinstance(report, VerifyOutcome) and report.speedup is not None:
+        clock = (report.timing.clock if report.timing else None) or ""
+        return report.speedup, clock == "cpu-wall"
     return None, False
 
 
@@ -81,14 +81,14 @@ class JobRow:
 
 
 def job_row(job: Any) -> JobRow:
-    result = public_result(job.result)
-    speedup, cpu = best_speedup(result)
+    outcome = job.outcome()
+    speedup, cpu = best_speedup(outcome)
     return JobRow(
         id=job.id,
         status=job.status,
         mode=job.mode,
         task=task_name(job.task_source),
-        target=target_of(job.options or {}, result),
+        target=target_of(job.options or {}, outcome),
         speedup=speedup,
         cpu_timing=cpu,
         age=age(job.created_at),

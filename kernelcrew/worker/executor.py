@@ -14,7 +14,9 @@ The message expires after the whole horizon, so no worker runs a task its caller
 for. A broker that cannot be reached (Redis restarting) is waited for, up to
 ``task_queue_timeout_s``, and the request sent again. A worker that loses the broker stops what it
 runs and marks it revoked; its message would come back only after the visibility timeout, so the
-call revokes it for good and sends the request again at once, at most ``task_max_attempts`` times. Results come back exactly as ``LocalExecutor`` returns them; a bad task or candidate raises
+call revokes it for good and sends the request again at once, at most ``task_max_attempts`` times.
+Requests travel as their records' JSON and results come back validated into the records
+``LocalExecutor`` returns (a malformed result is a ``WorkerError``); a bad task or candidate raises
 ``TaskError`` as it does locally, and everything else raises a
 :class:`~kernelcrew.worker.errors.WorkerError` (an ``ExecutorError``) that says what happened.
 """
@@ -26,19 +28,30 @@ import logging
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
+from pydantic import BaseModel, ValidationError
 
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.records import (
+    BenchmarkRequest,
+    BenchmarkResult,
+    ProfileRequest,
+    ProfileResult,
+    Verdict,
+    VerifyRequest,
+)
 from kernelcrew.task import TaskError
 from kernelcrew.worker import store
 from kernelcrew.worker.errors import NoWorkerOnline, WorkerError, WorkerLost, WorkerTimeout
 from kernelcrew.worker.inventory import list_workers
 from kernelcrew.worker.routing import pick_queue, served_queues
-from kernelcrew.worker.tasks import TaskName, check_request
+from kernelcrew.worker.tasks import TaskName, check_request, problems
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=BaseModel)
 
 
 class CeleryExecutor:
@@ -78,14 +91,14 @@ class CeleryExecutor:
             self._app = make_app(self.settings)
         return self._app
 
-    def verify(self, request: dict[str, Any]) -> dict[str, Any]:
-        return self._call("verify", request)
+    def verify(self, request: VerifyRequest) -> Verdict:
+        return self._call("verify", request, Verdict)
 
-    def benchmark(self, request: dict[str, Any]) -> dict[str, Any]:
-        return self._call("benchmark", request)
+    def benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:
+        return self._call("benchmark", request, BenchmarkResult)
 
-    def profile(self, request: dict[str, Any]) -> dict[str, Any]:
-        return self._call("profile", request)
+    def profile(self, request: ProfileRequest) -> ProfileResult:
+        return self._call("profile", request, ProfileResult)
 
     def close(self) -> None:
         """Release the broker connections (the workers keep their goldens until they are recycled)."""
@@ -105,19 +118,20 @@ class CeleryExecutor:
         self.queue = pick_queue(workers, self.gpu, device=device)
         return self.queue
 
-    def _call(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, op: str, request: BaseModel, result_type: type[R]) -> R:
         from kombu.exceptions import OperationalError
 
-        check_request(op, request)
+        typed = check_request(op, request)
+        payload = typed.model_dump(mode="json")
         s = self.settings
         started = time.monotonic()
         stopped, result, outage_ends = 0, None, None
         try:
             while True:
                 try:
-                    queue = self.route(request["device"])
-                    result = self._send(op, request, queue)
-                    return _unwrap(op, self._wait(result, op, queue))
+                    queue = self.route(typed.device)
+                    result = self._send(op, payload, queue)
+                    return _unwrap(op, self._wait(result, op, queue), result_type)
                 except _Stopped as exc:
                     stopped += 1
                     if stopped >= s.task_max_attempts:
@@ -147,6 +161,7 @@ class CeleryExecutor:
             self.last_call["wall_s"] = round(time.monotonic() - started, 3)
 
     def _send(self, op: str, request: dict[str, Any], queue: str) -> Any:
+        """Send the request's JSON to ``queue``."""
         s = self.settings
         task_id = str(uuid.uuid4())
         one_attempt = s.visibility_timeout_s + s.worker_restore_interval_s + s.task_queue_timeout_s
@@ -232,17 +247,22 @@ def _failure(op: str, exc: Any, s: Settings) -> WorkerError:
     return WorkerError(f"the {op} task failed on the worker: {name}: {exc}")
 
 
-def _unwrap(op: str, envelope: Any) -> dict[str, Any]:
-    """The result of a task's envelope, or the error it carries, raised."""
+def _unwrap(op: str, envelope: Any, result_type: type[R]) -> R:
+    """The result record of a task's envelope, or the error it carries, raised."""
     if not isinstance(envelope, dict) or "ok" not in envelope:
         raise WorkerError(
             f"the {op} task returned something that is not a kernelcrew envelope: {envelope!r:.200}"
         )
+    where = f" on {envelope.get('hostname')}" if envelope.get("hostname") else ""
     if envelope["ok"]:
-        return envelope["result"]
+        try:
+            return result_type.model_validate(envelope.get("result"))
+        except ValidationError as exc:
+            raise WorkerError(
+                f"the {op} task{where} returned a malformed {result_type.__name__}: {problems(exc)}"
+            ) from None
     error = envelope["error"]
     kind, message = error.get("type"), error.get("message", "")
-    where = f" on {envelope.get('hostname')}" if envelope.get("hostname") else ""
     if kind == "task_error":
         raise TaskError(message, path=error.get("path"), line=error.get("line"))
     if kind == "timeout":

@@ -26,6 +26,7 @@ from rich.console import Console
 
 from kernelcrew.config import Settings, get_settings, resolve_database_url
 from kernelcrew.knowledge_base.db import get_engine, transaction
+from kernelcrew.records import BenchmarkRequest, JobResult, VerifyOutcome, VerifyRequest
 from kernelcrew.service import jobs
 
 log = logging.getLogger(__name__)
@@ -150,51 +151,52 @@ class Orchestrator:
 
         return CeleryExecutor(self.settings, gpu=job.options.get("gpu"), job_id=job.id)
 
-    def _verify(self, job: jobs.Job, lost: threading.Event) -> dict[str, Any]:
+    def _verify(self, job: jobs.Job, lost: threading.Event) -> JobResult:
         import secrets
 
         from kernelcrew.tools.timing import parse_compile_modes
 
         opts = job.options
         device = opts.get("device") or "cpu"
-        request = {
+        common: dict[str, Any] = {
             "task_source": job.task_source,
             "task_path": "task.py",
-            "candidate_source": job.candidate_source,
-            "candidate_path": "candidate.py",
             "device": device,
             "precision": opts.get("precision") or "strict",
             "seed": int(opts.get("seed") or secrets.randbits(31)),
         }
+        candidate = job.candidate_source or ""
         executor = self._executor(job)
         try:
             self._check(job.id, lost)
             self._event(job.id, "verify_started", {"device": device})
-            verdict = executor.verify(request)
-            self._event(job.id, "verify", {"verdict": verdict.get("verdict"), "stage": verdict.get("stage")})
-            report: dict[str, Any] = {"verify": verdict, "verdict": verdict.get("verdict"), "timing": None}
-            if verdict.get("verdict") == "pass" and opts.get("timing", True):
+            verdict = executor.verify(
+                VerifyRequest(**common, candidate_source=candidate, candidate_path="candidate.py")
+            )
+            self._event(job.id, "verify", {"verdict": verdict.verdict, "stage": verdict.stage})
+            outcome = VerifyOutcome(verify=verdict, verdict=verdict.verdict, timing=None)
+            if verdict.passed and opts.get("timing", True):
                 self._check(job.id, lost)
                 modes = parse_compile_modes(str(opts.get("compile_modes") or "auto"), device)
                 bench = executor.benchmark(
-                    {
-                        **request,
-                        "candidates": {"candidate": job.candidate_source},
-                        "compile_modes": modes,
-                        "quick": bool(opts.get("quick", False)),
-                    }
+                    BenchmarkRequest(
+                        **common,
+                        candidates={"candidate": candidate},
+                        compile_modes=modes,
+                        quick=bool(opts.get("quick", False)),
+                    )
                 )
-                report["timing"] = bench
-                ratio = (bench.get("ratios") or {}).get("candidate") or {}
-                report["speedup"] = ratio.get("median")
-                if bench.get("failure"):
-                    report["verdict"] = "fail"
-                self._event(job.id, "benchmark", {"speedup": report["speedup"], "clock": bench.get("clock")})
-            return report
+                outcome.timing = bench
+                ratio = bench.ratios.get("candidate")
+                outcome.speedup = ratio.median if ratio else None
+                if bench.failure is not None:
+                    outcome.verdict = "fail"
+                self._event(job.id, "benchmark", {"speedup": outcome.speedup, "clock": bench.clock})
+            return JobResult(report=outcome)
         finally:
             executor.close()
 
-    def _optimize(self, job: jobs.Job, lost: threading.Event) -> dict[str, Any] | None:
+    def _optimize(self, job: jobs.Job, lost: threading.Event) -> JobResult | None:
         from kernelcrew.agents.run import OptimizeRequest, run_optimize
         from kernelcrew.task import TaskError
 
@@ -246,14 +248,16 @@ class Orchestrator:
                 )
             except TaskError as exc:
                 raise RuntimeError(str(exc)) from exc
-        if report is not None:
-            for name in ("best.py", "report.md"):
-                path = job_dir / name
-                if path.exists():
-                    report[f"_{name.replace('.', '_')}"] = path.read_text()
-        return report
+        if report is None:
+            return None
+        best, markdown = job_dir / "best.py", job_dir / "report.md"
+        return JobResult(
+            report=report,
+            best_source=best.read_text() if best.exists() else None,
+            report_md=markdown.read_text() if markdown.exists() else None,
+        )
 
-    def _webhook(self, job: jobs.Job, status: str, result: Any, error: str | None) -> None:
+    def _webhook(self, job: jobs.Job, status: str, result: JobResult | None, error: str | None) -> None:
         url = (job.options or {}).get("webhook_url")
         if not url:
             return

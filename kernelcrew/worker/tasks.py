@@ -6,7 +6,7 @@ sandboxed child, so a crashing kernel never takes the worker down.
 
 A task returns an envelope, never raises for an expected failure (JSON carries no exceptions)::
 
-    {"ok": true,  "result": {...}, "attempt": 1, "hostname": "kc-gpu0@host"}
+    {"ok": true,  "result": {...}, "attempt": 1, "hostname": "kc-gpu0@host"}   (the result record's JSON)
     {"ok": false, "error": {"type": "task_error" | "timeout" | "worker_lost" | "bad_request"
                             | "misrouted" | "internal", "message": ..., ...}, "attempt": ..., ...}
 
@@ -28,7 +28,10 @@ import traceback
 from enum import StrEnum
 from typing import Any
 
+from pydantic import ValidationError
+
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.records import BenchmarkRequest, ExecutorRequest, ProfileRequest, VerifyRequest
 from kernelcrew.task import TaskError
 from kernelcrew.tools.executor import LocalExecutor
 from kernelcrew.worker import store
@@ -56,29 +59,37 @@ class TaskName(StrEnum):
         raise ValueError(f"unknown operation {op!r}: expected one of {', '.join(n.op for n in cls)}")
 
 
-#: Fields every request of an operation must carry (see the Executor protocol).
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "verify": ("task_source", "candidate_source", "device", "precision", "seed"),
-    "benchmark": ("task_source", "candidates", "device", "precision", "seed"),
-    "profile": ("task_source", "device", "precision", "seed"),
+#: The request record of each operation (see the Executor protocol).
+REQUESTS: dict[str, type[ExecutorRequest]] = {
+    "verify": VerifyRequest,
+    "benchmark": BenchmarkRequest,
+    "profile": ProfileRequest,
 }
 
 
-def check_request(op: str, request: Any) -> None:
-    """Raise ``ValueError`` unless ``request`` is a complete request for ``op``."""
-    if op not in REQUIRED:
-        raise ValueError(f"unknown operation {op!r}: expected one of {', '.join(REQUIRED)}")
+def problems(exc: ValidationError) -> str:
+    """A validation error in one line: what is missing or wrong, field by field."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "the record"
+        parts.append(f"lacks {where}" if err["type"] == "missing" else f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def check_request(op: str, request: Any) -> ExecutorRequest:
+    """``request`` (a record or its JSON) as the request record of ``op``; ``ValueError`` unless it
+    is a complete, well-typed request."""
+    if op not in REQUESTS:
+        raise ValueError(f"unknown operation {op!r}: expected one of {', '.join(REQUESTS)}")
+    kind = REQUESTS[op]
+    if isinstance(request, kind):
+        return request
     if not isinstance(request, dict):
-        raise ValueError(f"a {op} request must be a dict, got {type(request).__name__}")
-    missing = [k for k in REQUIRED[op] if request.get(k) is None]
-    if missing:
-        raise ValueError(f"the {op} request lacks {', '.join(missing)}")
-    if request["device"] not in ("cuda", "cpu"):
-        raise ValueError(f"the {op} request's device must be 'cuda' or 'cpu', got {request['device']!r}")
-    if not isinstance(request["seed"], int) or isinstance(request["seed"], bool):
-        raise ValueError(f"the {op} request's seed must be an integer, got {request['seed']!r}")
-    if op == "benchmark" and not isinstance(request["candidates"], dict):
-        raise ValueError("the benchmark request's candidates must be a {name: source} dict")
+        raise ValueError(f"a {op} request must be a dict or a {kind.__name__}, got {type(request).__name__}")
+    try:
+        return kind.model_validate(request)
+    except ValidationError as exc:
+        raise ValueError(f"the {op} request is malformed: {problems(exc)}") from None
 
 
 _executor: LocalExecutor | None = None
@@ -140,13 +151,13 @@ def run_operation(
     store.set_current(r, hostname, current, ttl_s=int(s.visibility_timeout_s))
     try:
         try:
-            check_request(op, request)
+            typed = check_request(op, request)
         except ValueError as exc:
             return {**_error("bad_request", str(exc)), **where}
-        if request["device"] == "cuda" and _worker_device() == "cpu":
+        if typed.device == "cuda" and _worker_device() == "cpu":
             return {**_error("misrouted", f"{hostname} has no GPU but the {op} request is for cuda"), **where}
-        result = getattr(worker_executor(s), op)(request)
-        return {"ok": True, "result": result, **where}
+        result = getattr(worker_executor(s), op)(typed)
+        return {"ok": True, "result": result.model_dump(mode="json"), **where}
     except TaskError as exc:
         return {**_error("task_error", exc.message, path=exc.path, line=exc.line), **where}
     except SoftTimeLimitExceeded:

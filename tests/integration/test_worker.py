@@ -26,6 +26,7 @@ import pytest
 import redis
 
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.records import ProfileRequest, VerifyRequest
 from kernelcrew.task import TaskError
 from kernelcrew.worker import store
 from kernelcrew.worker.errors import NoWorkerOnline, WorkerError, WorkerLost
@@ -213,20 +214,16 @@ def workers(redis_client, tmp_path_factory) -> Iterator[dict[str, Supervised]]:
             w.stop()
 
 
-def request(
-    task: str, candidate: str | None = None, *, seed: int = 11, device: str = "cpu"
-) -> dict[str, Any]:
-    req: dict[str, Any] = {
-        "task_source": (FIXTURES / "tasks" / f"{task}.py").read_text(),
-        "task_path": f"{task}.py",
-        "device": device,
-        "precision": "strict",
-        "seed": seed,
-    }
-    if candidate is not None:
-        req["candidate_source"] = (FIXTURES / "candidates" / f"{candidate}.py").read_text()
-        req["candidate_path"] = f"{candidate}.py"
-    return req
+def request(task: str, candidate: str, *, seed: int = 11, device: str = "cpu") -> VerifyRequest:
+    return VerifyRequest(
+        task_source=(FIXTURES / "tasks" / f"{task}.py").read_text(),
+        task_path=f"{task}.py",
+        device=device,
+        precision="strict",
+        seed=seed,
+        candidate_source=(FIXTURES / "candidates" / f"{candidate}.py").read_text(),
+        candidate_path=f"{candidate}.py",
+    )
 
 
 class Call(threading.Thread):
@@ -289,26 +286,33 @@ def test_verify_a_correct_and_a_wrong_candidate(workers):
     current = wait_for(running(workers["w1"], 1), 60, "w1 to report the verify it runs")
     assert current["job_id"] == "job-verify" and current["op"] == "verify"
     good = call.result(120)
-    assert good["verdict"] == "pass" and good["stage"] == "done", good["message"]
-    assert good["kind"] == "kernel" and good["device"] == "cpu" and good["seed"] == 11
+    assert good.verdict == "pass" and good.stage == "done", good.message
+    assert good.kind == "kernel" and good.device == "cpu" and good.seed == 11
     assert executor.last_call["queue"] == "cpu" and executor.last_call["hostname"] == workers["w1"].hostname
 
     wrong = executor.verify(request("softmax", "zeros"))
-    assert wrong["verdict"] == "fail" and wrong["stage"] == "correctness"
-    assert wrong["failures"][0]["stage"] == "correctness"
+    assert wrong.verdict == "fail" and wrong.stage == "correctness"
+    assert wrong.failures[0]["stage"] == "correctness"
     executor.close()
     assert workers["w1"].info().current is None
 
 
 def test_a_bad_task_comes_back_as_task_error(workers):
     executor = CeleryExecutor(W1)
-    bad = request("softmax", "softmax_triton")
-    bad["task_source"] = (FIXTURES / "tasks" / "bad" / "no_model.py").read_text()
-    bad["task_path"] = "bad/no_model.py"
+    bad = request("softmax", "softmax_triton").model_copy(
+        update={
+            "task_source": (FIXTURES / "tasks" / "bad" / "no_model.py").read_text(),
+            "task_path": "bad/no_model.py",
+        }
+    )
     with pytest.raises(TaskError, match=r"bad/no_model.py: missing top-level definition\(s\): Model"):
         executor.verify(bad)
-    syntax = {k: bad[k] for k in ("device", "precision", "seed")}
-    syntax["task_source"] = (FIXTURES / "tasks" / "bad" / "syntax_error.py").read_text()
+    syntax = ProfileRequest(
+        task_source=(FIXTURES / "tasks" / "bad" / "syntax_error.py").read_text(),
+        device=bad.device,
+        precision=bad.precision,
+        seed=bad.seed,
+    )
     with pytest.raises(TaskError, match="syntax error"):
         executor.profile(syntax)
     executor.close()
@@ -361,7 +365,7 @@ def test_a_killed_worker_s_task_is_redelivered_to_its_restart_and_completes(work
     assert restarted.pid != old_pid
     assert not any(path.exists() for path in golden)  # the dead worker's files went with it
     verdict = call.result(W2.visibility_timeout_s + 60)
-    assert verdict["verdict"] == "fail" and verdict["stage"] == "static", verdict["message"]
+    assert verdict.verdict == "fail" and verdict.stage == "static", verdict.message
     assert executor.last_call["attempt"] == 2 and executor.last_call["hostname"] == w2.hostname
     assert "exited (killed by SIGKILL)" in w2.log()
     executor.close()

@@ -18,12 +18,18 @@ from kernelcrew.agents.planner import parse_guidance
 from kernelcrew.agents.run import OptimizeRequest, run_optimize
 from kernelcrew.agents.state import Candidate
 from kernelcrew.config import Settings
+from kernelcrew.records import Report
 from kernelcrew.tools.correctness import verify
 from kernelcrew.tools.packaging import MARKER, custom_op_name, unpack
 from tests.conftest import FIXTURES
 
 POINTWISE = FIXTURES / "tasks" / "pointwise.py"
 GOOD = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()
+
+
+def report_json(report: Report | None) -> dict | None:
+    """A run's report as report.json has it."""
+    return None if report is None else report.model_dump(mode="json")
 
 
 @pytest.fixture
@@ -43,7 +49,7 @@ def playbook_run(tmp_path_factory):
     """One playbook run shared by the tests that read its outputs."""
     root = tmp_path_factory.mktemp("crew")
     s = Settings(data_dir=root / "data")
-    report = run_optimize(request(out=root / "out"), settings=s)
+    report = report_json(run_optimize(request(out=root / "out"), settings=s))
     return report, root / "out", s
 
 
@@ -97,7 +103,9 @@ def test_best_py_of_an_own_kernel_is_a_custom_op(playbook_run):
 def test_a_run_starts_from_an_earlier_best_py_without_its_packaging(playbook_run, tmp_path):
     """--start with a packaged best.py: the kernels are the start, the block is not carried along."""
     _, out, s = playbook_run
-    report = run_optimize(request(start=out / "best.py", max_iters=1, out=tmp_path / "again"), settings=s)
+    report = report_json(
+        run_optimize(request(start=out / "best.py", max_iters=1, out=tmp_path / "again"), settings=s)
+    )
     first = report["iterations"][0]
     assert first["verdict"] == "pass", first
     best_py = (tmp_path / "again" / "best.py").read_text()
@@ -107,15 +115,17 @@ def test_a_run_starts_from_an_earlier_best_py_without_its_packaging(playbook_run
 
 def test_finished_run_continues_with_a_message(playbook_run):
     report, out, s = playbook_run
-    again = run_optimize(
-        request(
-            task=None,
-            resume=report["run_id"],
-            messages=["skip torch_compile_max_autotune"],
-            max_iters=1,
-            out=out,
-        ),
-        settings=s,
+    again = report_json(
+        run_optimize(
+            request(
+                task=None,
+                resume=report["run_id"],
+                messages=["skip torch_compile_max_autotune"],
+                max_iters=1,
+                out=out,
+            ),
+            settings=s,
+        )
     )
     assert again["run_id"] == report["run_id"]
     assert any("torch_compile_max_autotune will not be tried" in r for r in again["replies"])
@@ -124,8 +134,10 @@ def test_finished_run_continues_with_a_message(playbook_run):
 
 
 def test_unknown_guidance_is_answered_with_what_the_playbook_can_do(settings, tmp_path):
-    report = run_optimize(
-        request(messages=["make it go brrr"], max_iters=1, out=tmp_path / "o"), settings=settings
+    report = report_json(
+        run_optimize(
+            request(messages=["make it go brrr"], max_iters=1, out=tmp_path / "o"), settings=settings
+        )
     )
     reply = report["replies"][0]
     assert "make it go brrr" in reply and "fused_pointwise" in reply and "skip <strategy>" in reply
@@ -138,7 +150,7 @@ def test_chat_stop_ends_the_run_before_any_step(settings, tmp_path):
         asked.append(step)
         return "stop"
 
-    report = run_optimize(request(out=tmp_path / "o"), settings=settings, ask=ask)
+    report = report_json(run_optimize(request(out=tmp_path / "o"), settings=settings, ask=ask))
     assert asked == [1]
     assert report["stop_reason"] == "stopped by the user" and report["best"] is None
     assert report["status"] == "no_verified_candidate"
@@ -158,7 +170,7 @@ def test_replayed_llm_plan_is_reasked_and_a_failing_candidate_is_repaired(settin
             f"```python\n{GOOD}\n```",
         ]
     )
-    report = run_optimize(request(max_iters=1, out=tmp_path / "o"), settings=settings, chat=chat)
+    report = report_json(run_optimize(request(max_iters=1, out=tmp_path / "o"), settings=settings, chat=chat))
     step = report["iterations"][0]
     assert step["strategy"] == "custom:fused_tanh"
     assert step["verdict"] == "pass" and step["repairs"] == 2
@@ -200,9 +212,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert run_id and proc.returncode == -signal.SIGKILL, "".join(seen)
     assert not (tmp_path / "out" / "report.json").exists()
 
-    report = run_optimize(
-        request(task=None, resume=run_id, device=None, out=tmp_path / "out"),
-        settings=Settings(data_dir=tmp_path / "data"),
+    report = report_json(
+        run_optimize(
+            request(task=None, resume=run_id, device=None, out=tmp_path / "out"),
+            settings=Settings(data_dir=tmp_path / "data"),
+        )
     )
     assert report["run_id"] == run_id
     assert [it["step"] for it in report["iterations"]] == [1, 2]
@@ -213,7 +227,7 @@ def test_resume_of_an_unknown_run_is_a_clear_error(settings):
     from kernelcrew.task import TaskError
 
     with pytest.raises(TaskError, match="no run with id"):
-        run_optimize(request(task=None, resume="nope"), settings=settings)
+        report_json(run_optimize(request(task=None, resume="nope"), settings=settings))
 
 
 @pytest.mark.parametrize(
@@ -262,14 +276,14 @@ def test_status_says_verified_but_not_faster_apart_from_nothing_verified():
     slower = CrewState(
         task_source="", options=opts, iterations=[{"step": 1, "verdict": "pass", "new_best": False}]
     )
-    assert build_report(slower, {}, ctx)["status"] == "no_significant_gain"
+    assert build_report(slower, None, ctx).status == "no_significant_gain"
     failed = CrewState(task_source="", options=opts, iterations=[{"step": 1, "verdict": "fail"}])
-    assert build_report(failed, {}, ctx)["status"] == "no_verified_candidate"
+    assert build_report(failed, None, ctx).status == "no_verified_candidate"
 
 
 def test_a_plan_the_model_fails_twice_counts_as_one_failed_step(settings, tmp_path):
     chat = ReplayChat(["no json here", "still none", "nor here", "nothing"])
-    report = run_optimize(request(max_iters=2, out=tmp_path / "o"), settings=settings, chat=chat)
+    report = report_json(run_optimize(request(max_iters=2, out=tmp_path / "o"), settings=settings, chat=chat))
     steps = report["iterations"]
     assert [s["stage"] for s in steps] == ["plan", "plan"]
     assert [s["step"] for s in steps] == [1, 2]
@@ -294,33 +308,36 @@ def test_local_only_keeps_sources_off_external_providers(monkeypatch):
 def test_report_table_takes_eager_and_compile_from_the_final_measurement():
     from kernelcrew.agents.report import render_markdown
 
-    report = {
-        "task": "t.py",
-        "status": "improved",
-        "stop_reason": "done",
-        "device": "cuda",
-        "gpu_name": "H100",
-        "arch": "sm_90",
-        "precision": "strict",
-        "backend": "playbook",
-        "scope": "forward only",
-        "timings_note": "CUDA events",
-        "baseline": {"eager_ms": 9.0, "compile_ms": {"default": 3.0}},
-        "best": {
-            "strategy": "fused_pointwise",
-            "kind": "kernel",
-            "eager_ms": 2.0,
-            "compile_ms": {"default": 1.0},
-            "best_ms": 0.5,
-            "speedup_eager": 4.0,
-            "speedup_eager_ci": [3.9, 4.1],
-            "speedup_compile": 2.0,
-        },
-        "iterations": [],
-        "usage": {},
-        "elapsed_s": 1.0,
-        "reproduce": "kernelcrew optimize t.py",
-    }
+    report = Report.model_validate(
+        {
+            "task": "t.py",
+            "status": "improved",
+            "stop_reason": "done",
+            "device": "cuda",
+            "gpu_name": "H100",
+            "arch": "sm_90",
+            "precision": "strict",
+            "backend": "playbook",
+            "scope": "forward only",
+            "timings_note": "CUDA events",
+            "baseline": {"eager_ms": 9.0, "compile_ms": {"default": 3.0}},
+            "best": {
+                "id": "c1",
+                "strategy": "fused_pointwise",
+                "kind": "kernel",
+                "eager_ms": 2.0,
+                "compile_ms": {"default": 1.0},
+                "best_ms": 0.5,
+                "speedup_eager": 4.0,
+                "speedup_eager_ci": [3.9, 4.1],
+                "speedup_compile": 2.0,
+            },
+            "iterations": [],
+            "usage": {},
+            "elapsed_s": 1.0,
+            "reproduce": "kernelcrew optimize t.py",
+        }
+    )
     text = render_markdown(report)
     assert "| eager | 2 ms | 1x |" in text
     assert "| torch.compile (default) | 1 ms | 2x |" in text

@@ -15,11 +15,17 @@ from kernelcrew.agents.run import OptimizeRequest, run_optimize
 from kernelcrew.agents.state import Candidate, CrewState, Options
 from kernelcrew.config import Settings
 from kernelcrew.knowledge_base import KnowledgeBase, from_analysis
+from kernelcrew.records import FinalTiming, Report
 from kernelcrew.tools.packaging import unpack
 from tests.conftest import FIXTURES
 
 TASKS = FIXTURES / "tasks"
 WRONG = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()  # tanh(2x + y): wrong for sigmoid
+
+
+def report_json(report: Report | None) -> dict | None:
+    """A run's report as report.json has it."""
+    return None if report is None else report.model_dump(mode="json")
 
 
 def request(task, out, **kw) -> OptimizeRequest:
@@ -33,7 +39,7 @@ def first_job(tmp_path_factory):
     root = tmp_path_factory.mktemp("kbcrew")
     settings = Settings(data_dir=root / "data")
     kb = KnowledgeBase.open(settings, owner="alice")
-    report = run_optimize(request(TASKS / "pointwise.py", root / "o1"), settings=settings, kb=kb)
+    report = report_json(run_optimize(request(TASKS / "pointwise.py", root / "o1"), settings=settings, kb=kb))
     return report, settings, kb, root
 
 
@@ -58,11 +64,13 @@ def test_a_second_similar_job_gets_the_first_win_and_records_nothing_unverified(
     first, settings, kb, root = first_job
     plan = {"strategy": "custom:fused_sigmoid", "rationale": "one pass", "expected_gain": 2.0, "params": {}}
     chat = ReplayChat([json.dumps(plan), f"```python\n{WRONG}\n```"])  # then exhausted: the repair fails
-    report = run_optimize(
-        request(TASKS / "pointwise_sigmoid.py", root / "o2", backend="replay"),
-        settings=settings,
-        kb=kb,
-        chat=chat,
+    report = report_json(
+        run_optimize(
+            request(TASKS / "pointwise_sigmoid.py", root / "o2", backend="replay"),
+            settings=settings,
+            kb=kb,
+            chat=chat,
+        )
     )
     planner_prompt = chat.sent[0][-1].content
     section = planner_prompt.split("What worked before on this kind of GPU (knowledge base):")[1]
@@ -117,17 +125,21 @@ def test_only_a_verified_significant_gpu_gain_is_recorded(first_job):
         (None, final, "no candidate passed verification"),
         (Candidate(**{**best.__dict__, "verdict": "fail"}), final, "no candidate passed verification"),
         (best, {**final, "significant": False}, "not significantly faster"),
-        (best, {**final, "failure": {"message": "timed output differs"}}, "the final timing failed"),
+        (
+            best,
+            {**final, "failure": {"stage": "timed_output", "message": "timed output differs"}},
+            "the final timing failed",
+        ),
         (best, {**final, "best_ms": 1.5}, "not faster than eager"),
     ]
     for cand, fin, reason in cases:
-        outcome = record_best(_state(cand), ctx, fin)
+        outcome = record_best(_state(cand), ctx, FinalTiming.model_validate(fin))
         assert not outcome["recorded"] and reason in outcome["reason"]
     assert len(kb.export()["records"]) == before
-    assert record_best(_state(best), CrewContext(executor=None, kb=None), final)["reason"].startswith(
-        "knowledge base disabled"
-    )
-    done = record_best(_state(best), ctx, final)
+    assert record_best(_state(best), CrewContext(executor=None, kb=None), FinalTiming(**final))[
+        "reason"
+    ].startswith("knowledge base disabled")
+    done = record_best(_state(best), ctx, FinalTiming(**final))
     assert done["recorded"] and kb.get(done["id"])["clock"] == "cuda-event"
 
 
@@ -137,7 +149,7 @@ def test_the_playbook_prefers_what_won_and_starts_tuning_from_its_params(first_j
     first, settings, _, _ = first_job
     graph = compile_graph(sqlite_checkpointer(settings.data_dir / "checkpoints.sqlite"))
     run = graph.get_state({"configurable": {"thread_id": first["run_id"]}}).values
-    analysis = run["baseline"]["analysis"]  # the first job's FX analysis of the same task
+    analysis = run["baseline"].analysis  # the first job's FX analysis of the same task
     state = CrewState(
         task_source="", options=Options(device="cuda"), baseline={"analysis": analysis, "arch": "sm_90"}
     )

@@ -11,6 +11,7 @@ from kernelcrew.agents.diagnosis import assess, render
 from kernelcrew.agents.profiler import _check_floor
 from kernelcrew.agents.state import Candidate, CrewState, Options
 from kernelcrew.config import Settings
+from kernelcrew.records import Baseline, BenchmarkRequest, BenchmarkResult
 from kernelcrew.tools import ncu, roofline
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "ncu"
@@ -169,14 +170,11 @@ def test_measure_work_counts_matmul_flops_and_compulsory_bytes():
     assert measure_work(model, [x], "relaxed")["compute_class"] == "tf32"
 
 
-def baseline_for(name: str, eager_ms: float, work: dict) -> dict:
+def baseline_for(name: str, eager_ms: float, work: dict) -> Baseline:
     peaks = roofline.peaks_for(H100, Settings(data_dir=Path("/nonexistent")))
-    return {
-        "ncu": ncu_result(name),
-        "floor": roofline.floor(work, peaks),
-        "eager_ms": eager_ms,
-        "clock": "cuda-event",
-    }
+    return Baseline(
+        ncu=ncu_result(name), floor=roofline.floor(work, peaks), eager_ms=eager_ms, clock="cuda-event"
+    )
 
 
 def test_diagnosis_reads_each_kernel_from_its_own_metrics():
@@ -215,39 +213,43 @@ def test_launch_bound_when_the_gpu_idles():
 
 def test_without_ncu_the_roofline_predicts_and_says_why(tmp_path):
     peaks = roofline.peaks_for(H100, Settings(data_dir=tmp_path))
-    base = {
-        "ncu": {"available": False, "reason": "ncu (Nsight Compute) is not installed on this machine"},
-        "floor": roofline.floor({"bytes": 1e8, "other_flops": 1e7}, peaks),
-        "eager_ms": 0.1,
-        "clock": "cuda-event",
-    }
+    base = Baseline(
+        ncu={"available": False, "reason": "ncu (Nsight Compute) is not installed on this machine"},
+        floor=roofline.floor({"bytes": 1e8, "other_flops": 1e7}, peaks),
+        eager_ms=0.1,
+        clock="cuda-event",
+    )
     a = assess(base)
     assert a["bound"] == "memory" and a["predicted"]
     assert "not installed" in render(a, base) and "predicted" in render(a, base)
-    cpu = assess({**base, "clock": "cpu-wall", "eager_ms": 200.0})
-    assert cpu["sol_fraction"] is None and cpu["floor_ms"] == base["floor"]["floor_ms"]
+    cpu = assess(base.model_copy(update={"clock": "cpu-wall", "eager_ms": 200.0}))
+    assert cpu["sol_fraction"] is None and cpu["floor_ms"] == base.floor_ms
 
 
 class _Bench:
-    """Answers benchmark requests with fixed timings (the executor's JSON contract)."""
+    """Answers benchmark requests with fixed timings (the executor's contract)."""
 
     def __init__(self, ms: float) -> None:
         self.ms, self.calls = ms, 0
 
-    def benchmark(self, request: dict) -> dict:
+    def benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:
         self.calls += 1
-        return {
-            "results": {"c": {"median_ms": self.ms}},
-            "ratios": {"c": {"median": 2.0, "significant": True}},
-            "clock": "cuda-event",
-        }
+        ms = self.ms
+        stats = {"median_ms": ms, "mean_ms": ms, "p10_ms": ms, "p90_ms": ms, "iqr_ms": 0.0, "spread_pct": 0.0,
+                 "reps": 10, "wall_median_ms": ms, "host_median_ms": 0.0, "graph_median_ms": None,
+                 "warmup_calls": 2, "samples": 0, "lead_us": 0.0, "lead_short_reps": 0}  # fmt: skip
+        ratio = {"median": 2.0, "ci_low": 1.5, "ci_high": 2.5, "ci_coverage": 0.95, "significant": True,
+                 "wall_median": 2.0, "graph_median": None}  # fmt: skip
+        return BenchmarkResult.model_validate(
+            {"results": {"c": stats}, "ratios": {"c": ratio}, "clock": "cuda-event"}
+        )
 
 
 class _Ctx:
     def __init__(self, bench: _Bench) -> None:
         self.executor = bench
 
-    def request(self, state, **extra):
+    def request(self, kind, state, **extra):
         return extra
 
 

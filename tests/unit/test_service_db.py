@@ -16,6 +16,7 @@ from kernelcrew.knowledge_base.db import (
     transaction,
     upgrade,
 )
+from kernelcrew.records import JobResult, Verdict, VerifyOutcome
 from kernelcrew.service import jobs
 from tests.unit.test_knowledge_base import databases  # noqa: F401  (fixture)
 
@@ -85,12 +86,45 @@ def test_a_job_is_leased_once_and_again_after_its_lease_expires(engine):
     assert second is not None and second.id == job_id and second.attempts == 2
     assert not jobs.renew_lease(engine, job_id, "o1", 30)
     assert not jobs.finish_job(engine, job_id, "o1", "failed")
-    assert jobs.finish_job(engine, job_id, "o2", "succeeded", result={"verdict": "pass"})
+    verdict = Verdict(verdict="pass", stage="done", message="ok", seed=1, device="cpu", precision="strict")
+    outcome = JobResult(report=VerifyOutcome(verify=verdict, verdict="pass"))
+    assert jobs.finish_job(engine, job_id, "o2", "succeeded", result=outcome)
     with transaction(engine) as s:
         kinds = [
             e.data["status"] for e in s.scalars(select(jobs.JobEvent).where(jobs.JobEvent.job_id == job_id))
         ]
     assert kinds == ["running", "running", "succeeded"]
+    with transaction(engine) as s:
+        stored = s.get(jobs.Job, job_id)
+        assert stored.result == outcome.model_dump(mode="json")
+        assert stored.outcome() == outcome
+
+
+def test_a_job_row_stored_with_the_old_file_keys_still_reads(engine):
+    """Rows written before JobResult kept best.py and report.md under ``_best_py``/``_report_md``
+    beside the report's own keys: they read as a JobResult with nothing lost."""
+    job_id = add_job(engine, mode="optimize", status="succeeded")
+    old = {
+        "run_id": "r1",
+        "status": "improved",
+        "stop_reason": "iteration budget reached (1)",
+        "best": {"id": "c1", "strategy": "fused_rows", "speedup_eager": 1.8, "clock": "cuda-event"},
+        "an_older_key": [1, 2],
+        "_best_py": "class ModelNew: ...\n",
+        "_report_md": "# kernelcrew report\n",
+    }
+    with transaction(engine) as s:
+        s.get(jobs.Job, job_id).result = old
+    with transaction(engine) as s:
+        outcome = s.get(jobs.Job, job_id).outcome()
+    assert outcome is not None
+    assert outcome.best_source == "class ModelNew: ...\n"
+    assert outcome.report_md == "# kernelcrew report\n"
+    assert outcome.report.status == "improved" and outcome.report.best.speedup_eager == 1.8
+    public = outcome.report.model_dump(mode="json")
+    assert public["an_older_key"] == [1, 2] and "_best_py" not in public and "_report_md" not in public
+    again = JobResult.model_validate(outcome.model_dump(mode="json"))
+    assert again == outcome
 
 
 def list_queued(engine) -> list[str]:

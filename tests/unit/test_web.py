@@ -187,7 +187,8 @@ def test_a_verify_job_shows_its_verdict_and_timing(site):
     csrf = form_csrf(c.get("/jobs/new").text)
     fields = {"csrf": csrf, "target": "cpu", "mode": "verify", "task_text": TASK, "candidate_text": candidate}
     job_id = c.post("/jobs/new", data=fields).headers["location"].rsplit("/", 1)[1]
-    verdict = {"verdict": "pass", "stage": "done", "message": "correct on 7 input sets"}
+    verdict = {"verdict": "pass", "stage": "done", "message": "correct on 7 input sets", "seed": 3,
+               "device": "cpu", "precision": "strict"}  # fmt: skip
     with transaction(site.engine) as s:
         job = s.get(jobs.Job, job_id)
         job.status = "succeeded"

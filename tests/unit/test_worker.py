@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kernelcrew.config import Settings
+from kernelcrew.records import BenchmarkResult, ProfileRequest, ProfileResult, Verdict
 from kernelcrew.task import TaskError
 from kernelcrew.tools.executor import ExecutorError, LocalExecutor
 from kernelcrew.worker.errors import NoWorkerOnline, WorkerError, WorkerLost, WorkerTimeout
@@ -270,9 +271,13 @@ def test_hard_limit_must_exceed_soft_limit():
         (
             "profile",
             {"task_source": "x", "device": "gpu", "precision": "strict", "seed": 1},
-            "device must be",
+            "device: Input should be 'cuda' or 'cpu'",
         ),
-        ("profile", {"task_source": "x", "device": "cpu", "precision": "strict", "seed": None}, "lacks seed"),
+        (
+            "profile",
+            {"task_source": "x", "device": "cpu", "precision": "strict", "seed": None},
+            "seed: .*integer",
+        ),
         ("profile", {"task_source": "x", "device": "cpu", "precision": "strict", "seed": "7"}, "integer"),
         (
             "benchmark",
@@ -289,7 +294,9 @@ def test_incomplete_requests_are_refused_before_sending(op, request_, error):
 
 
 def test_envelopes_become_results_or_the_right_errors():
-    assert _unwrap("verify", {"ok": True, "result": {"verdict": "pass"}}) == {"verdict": "pass"}
+    verdict = Verdict(verdict="pass", stage="done", message="ok", seed=1, device="cpu", precision="strict")
+    ok = {"ok": True, "result": verdict.model_dump(mode="json")}
+    assert _unwrap("verify", ok, Verdict) == verdict
     with pytest.raises(TaskError, match=r"task.py:3: bad thing") as info:
         _unwrap(
             "verify",
@@ -297,14 +304,17 @@ def test_envelopes_become_results_or_the_right_errors():
                 "ok": False,
                 "error": {"type": "task_error", "message": "bad thing", "path": "task.py", "line": 3},
             },
+            Verdict,
         )
     assert info.value.message == "bad thing"
     with pytest.raises(WorkerTimeout, match="soft time limit"):
         _unwrap(
-            "profile", {"ok": False, "error": {"type": "timeout", "message": "ran past the soft time limit"}}
+            "profile",
+            {"ok": False, "error": {"type": "timeout", "message": "ran past the soft time limit"}},
+            ProfileResult,
         )
     with pytest.raises(WorkerLost, match="lost 3 times"):
-        _unwrap("verify", {"ok": False, "error": {"type": "worker_lost", "message": "lost 3 times"}})
+        _unwrap("verify", {"ok": False, "error": {"type": "worker_lost", "message": "lost 3 times"}}, Verdict)
     with pytest.raises(WorkerError, match=r"failed on w@h: KeyError: 'x'\nTraceback"):
         _unwrap(
             "verify",
@@ -313,13 +323,36 @@ def test_envelopes_become_results_or_the_right_errors():
                 "hostname": "w@h",
                 "error": {"type": "internal", "message": "KeyError: 'x'", "traceback": "Traceback"},
             },
+            Verdict,
         )
     with pytest.raises(WorkerError, match=r"refused on w@h \(misrouted\)"):
         _unwrap(
-            "verify", {"ok": False, "hostname": "w@h", "error": {"type": "misrouted", "message": "no GPU"}}
+            "verify",
+            {"ok": False, "hostname": "w@h", "error": {"type": "misrouted", "message": "no GPU"}},
+            Verdict,
         )
     with pytest.raises(WorkerError, match="not a kernelcrew envelope"):
-        _unwrap("verify", [1, 2])
+        _unwrap("verify", [1, 2], Verdict)
+
+
+def test_a_malformed_result_is_a_clear_worker_error():
+    """A result that is not its operation's record names the fields that are wrong, not a KeyError later."""
+    with pytest.raises(
+        WorkerError, match=r"verify task on w@h returned a malformed Verdict: lacks stage;.*seed"
+    ):
+        _unwrap(
+            "verify",
+            {"ok": True, "hostname": "w@h", "result": {"verdict": "pass", "message": "", "seed": "x"}},
+            Verdict,
+        )
+    with pytest.raises(WorkerError, match=r"malformed BenchmarkResult: results\.eager\.median_ms"):
+        _unwrap(
+            "benchmark",
+            {"ok": True, "result": {"results": {"eager": {"median_ms": "fast"}}}},
+            BenchmarkResult,
+        )
+    with pytest.raises(WorkerError, match=r"malformed ProfileResult: surprise: Extra inputs"):
+        _unwrap("profile", {"ok": True, "result": {"surprise": 1}}, ProfileResult)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,9 +387,8 @@ def test_local_executor_keeps_at_most_max_goldens(monkeypatch):
 
     monkeypatch.setattr("kernelcrew.tools.correctness.make_golden", make_golden)
     ex = LocalExecutor(Settings(), max_goldens=2)
-    request = {"task_source": "t", "device": "cpu", "precision": "strict"}
     for seed in (1, 2, 1, 3, 1, 2):
-        ex.golden({**request, "seed": seed})
+        ex.golden(ProfileRequest(task_source="t", device="cpu", precision="strict", seed=seed))
     # 1 stays (used again before 3 came); 2 is evicted by 3, then 3 by 2.
     assert made == [1, 2, 3, 2]
     assert cleaned == [2, 3]
