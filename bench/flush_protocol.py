@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
 
-from kernelcrew.agents.playbook import rowwise  # noqa: E402
+from kernelcrew.agents.playbook import rows as rowwise  # noqa: E402
 from kernelcrew.tools import timing  # noqa: E402
 from kernelcrew.tools.roofline import calibrate_child  # noqa: E402
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
 
-from kernelcrew.agents.playbook.rowwise import generate_rowwise, splittable, tuning_space  # noqa: E402
+from kernelcrew.agents.playbook.rows import generate_rowwise, splittable, tuning_space  # noqa: E402
 from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
 
 TASKS = [

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child  # noqa: E402
-from kernelcrew.agents.playbook.rowwise import generate_rowwise, match, tuning_space  # noqa: E402
+from kernelcrew.agents.playbook.rows import generate_rowwise, match, tuning_space  # noqa: E402
 from kernelcrew.task import import_source, load_task  # noqa: E402
 
 TASKS = [ROOT / "bench/suite/groupnorm_silu_fp16.py", ROOT / "bench/kb/groupnorm_silu_unet_bf16.py"]

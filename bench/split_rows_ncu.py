@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.split_rows import row_plan  # noqa: E402
-from kernelcrew.agents.playbook.rowwise import generate_rowwise, tuning_space  # noqa: E402
+from kernelcrew.agents.playbook.rows import generate_rowwise, tuning_space  # noqa: E402
 from kernelcrew.task import import_source, load_task  # noqa: E402
 
 TASK = ROOT / "bench/suite/groupnorm_silu_fp16.py"

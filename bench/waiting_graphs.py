@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
 from waiting_rows import TASKS  # noqa: E402
 
-from kernelcrew.agents.playbook import rowwise  # noqa: E402
+from kernelcrew.agents.playbook import rows as rowwise  # noqa: E402
 
 CONFIGS = {
     "lag28_8192": {"WAIT_PART": 8192, "WAIT_LAG": 28},

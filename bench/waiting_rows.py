@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from split_rows import build_candidate, rel_error, row_setup, run_suite  # noqa: E402
 
-from kernelcrew.agents.playbook import rowwise  # noqa: E402
+from kernelcrew.agents.playbook import rows as rowwise  # noqa: E402
 from kernelcrew.tools.timing import TimingConfig, measure  # noqa: E402
 
 TASKS = [ROOT / "bench/suite/groupnorm_silu_fp16.py", ROOT / "bench/kb/groupnorm_silu_unet_bf16.py"]
