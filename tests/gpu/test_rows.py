@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernelcrew.agents.playbook import rowwise
+from kernelcrew.agents.playbook import rows
 from kernelcrew.task import load_candidate, load_task
 from tests.conftest import local_analysis
 from tests.gpu.conftest import ROOT
@@ -32,9 +32,9 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_row_candidates_stay_correct_across_calls_streams_and_graphs(tmp_path):
     source = TASK.read_text()
     analysis = local_analysis(source, str(TASK))
-    plan, reason = rowwise.match(analysis)
+    plan, reason = rows.match(analysis)
     assert plan is not None, reason
-    space = rowwise.tuning_space(plan, "sm_90")
+    space = rows.tuning_space(plan, "sm_90")
     configs = {i: p for i, p in enumerate(space) if i == 0 or "WAIT_PART" in p}  # the stateful ones
     task = load_task(source, str(TASK))
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def test_row_candidates_stay_correct_across_calls_streams_and_graphs(tmp_path):
     worst: dict[str, float] = {}
     for i, params in configs.items():
         file = tmp_path / f"rows_{i}.py"  # Triton reads a kernel's source from its file
-        file.write_text(rowwise.generate(source, analysis, plan, params))
+        file.write_text(rows.generate(source, analysis, plan, params))
         new = load_candidate(file.read_text(), str(file))(*task.get_init_inputs()).cuda().eval()
         new.load_state_dict(model.state_dict())
 

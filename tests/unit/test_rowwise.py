@@ -14,11 +14,12 @@ import pytest
 
 from kernelcrew.agents import playbook
 from kernelcrew.agents.playbook import STRATEGIES, applicable
-from kernelcrew.agents.playbook.rowwise import (
+from kernelcrew.agents.playbook.rows import (
     DEFAULT_PARAMS,
     generate_rowwise,
     match,
     row_length,
+    splittable,
     tuning_space,
 )
 from kernelcrew.config import Settings
@@ -34,7 +35,11 @@ SETTINGS = Settings(sandbox_timeout_s=240)
 #: registers, longer ones run the multi-pass loop in 16-column chunks.
 SMALL = {"MAX_SINGLE": 32, "CHUNK": 16, "TILE": 1024, "num_warps": 1}
 #: SMALL with long rows split in parts of 16 columns kept in registers by waiting programs.
-SMALL_WAIT = {**SMALL, "WAIT_PART": 16}
+SMALL_WAIT = {**SMALL, "MAX_SINGLE": 16, "WAIT_PART": 16}
+#: SMALL and SMALL_WAIT with every row of the patterns' examples too long for registers: a candidate
+#: carries the split launches only where the example's rows take the multi-pass loop.
+SPLIT_SMALL = {**SMALL, "MAX_SINGLE": 16}
+SPLIT_WAIT = SMALL_WAIT
 #: Fixture task -> the parameters its candidate is verified with.
 VERIFIED = {
     "attention_softmax": SMALL,  # 12 and 7 columns in registers, 45 in chunks; -inf mask
@@ -143,9 +148,6 @@ def interpreter():
         yield pool
 
 
-TWO_LAUNCHES = "    else:  # few long rows: SPLITS programs per row, a stats launch then an output launch\n"
-
-
 def check_candidate(
     interpreter, source, input_sets, params=None, rtol=1e-4, split_target=None, waiting=False
 ) -> str:
@@ -153,7 +155,7 @@ def check_candidate(
 
     ``split_target``: rows are split over programs when a launch would have fewer (on a GPU the
     candidate takes it from the SM count; on the CPU it never splits unless told). ``waiting``:
-    split rows must take the one launch of waiting parts (the two launches raise).
+    split rows must take the one launch of waiting parts (the candidate has no other split launch).
     """
     a, plan = plan_of(source)
     candidate = generate_rowwise(a, plan, params)
@@ -161,9 +163,7 @@ def check_candidate(
         assert "SPLIT_TARGET = None" in candidate
         candidate = candidate.replace("SPLIT_TARGET = None", f"SPLIT_TARGET = {split_target}")
     if waiting:
-        assert TWO_LAUNCHES in candidate
-        refuse = '        raise AssertionError("split rows took the two launches")\n'
-        candidate = candidate.replace(TWO_LAUNCHES, TWO_LAUNCHES + refuse)
+        assert "_wait_kernel[" in candidate and "_split_kernel" not in candidate
     assert static_check(candidate) == []
     interpreter.submit(compare_in_interpreter, source, candidate, input_sets, rtol).result()
     return candidate
@@ -399,8 +399,8 @@ def test_non_contiguous_inputs(interpreter):
 
 def _splittable(name: str) -> bool:
     forward, inputs, init, args, _ = PATTERNS[name]
-    a, plan = plan_of(task_source(forward, inputs, init, args))
-    return "PHASE == 1" in generate_rowwise(a, plan, SMALL)
+    _, plan = plan_of(task_source(forward, inputs, init, args))
+    return splittable(plan)
 
 
 SPLITTABLE = [name for name in sorted(PATTERNS) if _splittable(name)]
@@ -448,9 +448,9 @@ def test_split_rows_merge_their_states_into_scalars(name):
 
     forward, inputs, init, args, _sets = PATTERNS[name]
     a, plan = plan_of(task_source(forward, inputs, init, args))
-    for params, phase in ((SMALL, "PHASE == 1"), (SMALL_WAIT, "PHASE == 3")):
+    for params, kernel in ((SPLIT_SMALL, "_split_kernel("), (SPLIT_WAIT, "_wait_kernel(")):
         source = generate_rowwise(a, plan, params)
-        stats = source[source.index("parts = tl.arange(0, SPLITS)", source.index(phase)) :]
+        stats = source[source.index("parts = tl.arange(0, SPLITS)", source.index(kernel)) :]
         end = re.search(r"^\s*(for start in range\(lo, hi, BLOCK_N\):|start = lo)$", stats, flags=re.M)
         stats = stats[: end.start()]
         loads = re.findall(r"= (tl\.load\(ws_ptr[^\n]*)", stats)
@@ -479,11 +479,11 @@ def launched_phases(name: str, params: dict, tmp_path: Path) -> set[int]:
     candidate = generate_rowwise(a, plan, params).replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64")
     module = load_candidate(candidate, tmp_path / f"{name}_launches.py")
     launches: list = []
-    module.row_reduction_kernel = LaunchRecorder(module.row_reduction_kernel, launches)
+    record_launches(module, launches)
     torch.manual_seed(2)
     for input_set in sets(torch):
         module.ModelNew()(*input_set)
-    return {kwargs["PHASE"] for _, _, kwargs in launches}
+    return {phase_of(kernel, kwargs) for kernel, _, kwargs in launches}
 
 
 def test_grouped_chunks_stay_within_two_channels(tmp_path, interpreter):
@@ -515,7 +515,7 @@ def test_grouped_chunks_stay_within_two_channels(tmp_path, interpreter):
             candidate_of(source, **kwargs), tmp_path / f"grouped_{uuid.uuid4().hex[:6]}.py"
         )
         record: list = []
-        module.row_reduction_kernel = LaunchRecorder(module.row_reduction_kernel, record)
+        record_launches(module, record)
         for shape in shapes:
             module.ModelNew()(torch.randn(*shape))
         return [(kw["BLOCK_N"], kw["WIDE_POSITIONS"], kw["ROWS"], kw["num_warps"]) for _, _, kw in record]
@@ -564,10 +564,12 @@ def test_weights_are_read_as_columns_where_blocks_would_gather_them(tmp_path, in
         candidate = generate_rowwise(*plan_of(source), params)
         module = load_candidate(candidate, tmp_path / f"columns_{uuid.uuid4().hex[:6]}.py")
         record: list = []
-        module.row_reduction_kernel = LaunchRecorder(module.row_reduction_kernel, record)
+        record_launches(module, record)
         for shape in shapes:
             module.ModelNew()(*(torch.randn(*s) for s in shape))
-        return [tuple(v for k, v in sorted(kw.items()) if k.startswith("MODE")) for _, _, kw in record]
+        return [
+            tuple(v for k, v in kw.items() if k.startswith("MODE")) for _, _, kw in record
+        ]  # operand order
 
     chunks = {"MAX_SINGLE": 16, "CHUNK": 64, "TILE": 1024, "num_warps": 1}  # 24 columns: multi-pass
     source = task_source(
@@ -590,10 +592,11 @@ def test_weights_are_read_as_columns_where_blocks_would_gather_them(tmp_path, in
 def test_split_patterns_split_their_rows(name, tmp_path):
     """The split tests below run on the patterns whose rows split: two launches, or one of waiting parts."""
     if name in SPLIT_ROWS:
-        assert launched_phases(name, SMALL, tmp_path) >= {1, 2}
+        assert launched_phases(name, SPLIT_SMALL, tmp_path) >= {1, 2}
         assert 3 in launched_phases(name, SMALL_WAIT, tmp_path)
     else:
-        assert launched_phases(name, SMALL_WAIT, tmp_path) == {0}
+        # rows that fit in registers in the example: the candidate carries no split launch
+        assert launched_phases(name, {**SMALL_WAIT, "MAX_SINGLE": 32}, tmp_path) == {0}
 
 
 @pytest.mark.parametrize("name", SPLIT_ROWS)
@@ -604,7 +607,7 @@ def test_rows_split_over_programs(name, interpreter):
     forward, inputs, init, args, sets = PATTERNS[name]
     torch.manual_seed(2)
     check_candidate(
-        interpreter, task_source(forward, inputs, init, args), sets(torch), SMALL, split_target=64
+        interpreter, task_source(forward, inputs, init, args), sets(torch), SPLIT_SMALL, split_target=64
     )
 
 
@@ -630,15 +633,14 @@ def test_waiting_parts_read_the_row_once():
 
     forward, inputs, init, args, _sets = PATTERNS["group_norm_embedding_residual"]
     a, plan = plan_of(task_source(forward, inputs, init, args))
-    source = generate_rowwise(a, plan, SMALL_WAIT)
-    start = re.search(r"^( *)if PHASE == 3:.*$", source, flags=re.M)
-    body = source[start.end() :].split(f"\n{start.group(1)}else:", 1)[0]
+    source = generate_rowwise(a, plan, SPLIT_WAIT)
+    body = source[source.index("_wait_kernel(") :].split("\n\n\n", 1)[0]
     write, post = body.split("elif flat < n_rows * SPLITS:", 1)
     assert "if (step == 0) == LAGGED:" in write and "if flat >= lag:" in write
     assert post.index("tl.store(ws_ptr") < post.index('tl.atomic_add(posted_ptr + pid, 1, sem="release")')
     waiting, rest = write.split("while (seen < target) & (polls < spin):", 1)
     fallback, output = rest.split("parts = tl.arange(0, SPLITS)", 1)
-    x_load = r"v0 = tl\.load\(in0_ptr \+ off0\[:, None\] \+ cols[^\n]*"
+    x_load = r"v0 = tl\.load\(x_ptr \+ off_x\[:, None\] \+ cols[^\n]*"
     policy = r'eviction_policy="(\w+)"'
     assert [re.search(policy, x)[1] for x in re.findall(x_load, post)] == ["evict_last"]
     assert not re.findall(x_load, waiting)
@@ -676,9 +678,7 @@ def test_lagged_programs_only_wait_for_programs_started_before_them(name, interp
     candidate = candidate.replace(
         fallback, f'{fallback}\n{indent}    raise AssertionError("a row not posted")'
     )
-    candidate = candidate.replace(
-        TWO_LAUNCHES, TWO_LAUNCHES + '        raise AssertionError("two launches")\n'
-    )
+    assert "_split_kernel" not in candidate  # the waiting launch, or one program per row
     torch.manual_seed(2)
     interpreter.submit(compare_in_interpreter, source, candidate, sets(torch), 1e-4).result()
     unlagged = candidate.replace("WAIT_LAG = 30", "WAIT_LAG = 0")
@@ -771,8 +771,9 @@ def test_how_far_behind_a_waiting_program_writes(tmp_path):
     programs started before it) and at most every part; 0 without WAIT_LAG; one row's parts on the CPU."""
     import torch
 
-    a, plan = plan_of(task_source("return x.softmax(-1)", "torch.randn(4, 8)"))
-    module = load_candidate(generate_rowwise(a, plan, {"WAIT_LAG": 25}), tmp_path / "lag_candidate.py")
+    a, plan = plan_of(task_source("return x.softmax(-1)", "torch.randn(4, 64)"))
+    params = {**SMALL_WAIT, "WAIT_LAG": 25}
+    module = load_candidate(generate_rowwise(a, plan, params), tmp_path / "lag_candidate.py")
     cpu = torch.device("cpu")
     assert module._wait_lag(4096, 16, 8192, cpu) == 16
     module.WAIT_LAG_PARTS = 1000
@@ -799,7 +800,7 @@ def test_split_rows_with_empty_and_fully_masked_parts(interpreter):
         "return x.masked_fill(mask == 0, float('-inf')).softmax(-1)", "x, mask", args="x, mask"
     ).replace("return [x, mask]", "return [torch.randn(3, 65), torch.ones(3, 65, dtype=torch.long)]")
     norm = task_source("return F.layer_norm(x, (65,)) * x.amax(-1, keepdim=True)", "torch.randn(3, 65)")
-    for params, waiting in ((SMALL, False), (SMALL_WAIT, True)):  # two launches, then one
+    for params, waiting in ((SPLIT_SMALL, False), (SMALL_WAIT, True)):  # two launches, then one
         check_candidate(interpreter, softmax, [[x, mask]], params, split_target=64, waiting=waiting)
         check_candidate(interpreter, norm, [[x], [x[:2] * 100 + 5]], params, split_target=64, waiting=waiting)
 
@@ -809,8 +810,8 @@ def test_how_many_programs_share_a_row(tmp_path):
     launch under its target; never on the CPU unless a target is set."""
     import torch
 
-    a, plan = plan_of(task_source("return x.softmax(-1)", "torch.randn(4, 8)"))
-    module = load_candidate(generate_rowwise(a, plan), tmp_path / "split_candidate.py")
+    a, plan = plan_of(task_source("return x.softmax(-1)", "torch.randn(4, 64)"))
+    module = load_candidate(generate_rowwise(a, plan, SPLIT_SMALL), tmp_path / "split_candidate.py")
     cpu = torch.device("cpu")
     assert module._splits(3, 10**6, 2048, cpu) == 1
     module.SPLIT_TARGET = 64
@@ -1016,7 +1017,7 @@ def test_menu_offers_row_reduction_first():
     a = local_analysis((FIXTURES / "tasks" / "softmax.py").read_text())
     names = [s.name for s, _ in applicable(a)]
     assert names == ["row_reduction", "torch_compile", "torch_compile_max_autotune"]
-    assert "row_reduction_kernel" in playbook.generate("row_reduction", a.task_source, a, {})
+    assert "_kernel[grid](" in playbook.generate("row_reduction", a.task_source, a, {})
     assert playbook.tuning_space("row_reduction", a, "sm_90")[0]["MAX_SINGLE"] >= 4096
     pointwise = local_analysis((FIXTURES / "tasks" / "pointwise.py").read_text())
     assert "elementwise" in playbook.rejected(pointwise)["row_reduction"]
@@ -1054,6 +1055,28 @@ class LaunchRecorder:
         self.launches.append((self.kernel, args, kwargs))
 
 
+def record_launches(module, launches: list) -> None:
+    """Every ``*_kernel`` of a candidate module replaced by a :class:`LaunchRecorder`."""
+    for name in dir(module):
+        if name.endswith("_kernel"):
+            setattr(module, name, LaunchRecorder(getattr(module, name), launches))
+
+
+def launch_kind(kernel_name: str) -> str:
+    """``rows`` (one program per block of rows), ``split``, ``wait`` or ``loss``, from a kernel's name."""
+    for kind in ("split", "wait"):
+        if kernel_name.endswith(f"_{kind}_kernel"):
+            return kind
+    return "loss" if kernel_name == "loss_reduce_kernel" else "rows"
+
+
+def phase_of(kernel, kwargs: dict) -> int:
+    """A launch as the phases of split rows: 0 one program per row, 1 and 2 the split launches, 3
+    the waiting launch."""
+    kind = launch_kind(kernel.__name__)
+    return {"rows": 0, "wait": 3}.get(kind, kwargs.get("PHASE", 0))
+
+
 def compile_for_sm90(jobs: dict[str, tuple[str, str]], workdir: str) -> dict[str, list[dict] | str]:
     """Compile every kernel launch of each ``(task source, candidate source)`` to an sm_90 cubin.
 
@@ -1082,9 +1105,7 @@ def compile_for_sm90(jobs: dict[str, tuple[str, str]], workdir: str) -> dict[str
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             launches = []
-            for kernel_name in ("row_reduction_kernel", "loss_reduce_kernel"):
-                if hasattr(module, kernel_name):
-                    setattr(module, kernel_name, LaunchRecorder(getattr(module, kernel_name), launches))
+            record_launches(module, launches)
             task = load_task(task_text, f"{name}.py")
             torch.manual_seed(0)
             model = module.ModelNew()
@@ -1103,7 +1124,7 @@ def compile_for_sm90(jobs: dict[str, tuple[str, str]], workdir: str) -> dict[str
                         signature[param] = POINTER_TYPES[str(value.dtype).replace("torch.", "")]
                     else:
                         signature[param] = "i64" if abs(int(value)) >= 2**31 else "i32"
-                key = (kernel.fn.__name__, tuple(signature.values()), tuple(kwargs.items()), warps)
+                key = (kernel.__name__, tuple(signature.values()), tuple(kwargs.items()), warps)
                 if key in seen:
                     continue
                 seen.add(key)
@@ -1112,7 +1133,7 @@ def compile_for_sm90(jobs: dict[str, tuple[str, str]], workdir: str) -> dict[str
                     source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
                 )
                 if binary.asm["cubin"]:
-                    compiled.append({"kernel": kernel.fn.__name__, **kwargs})
+                    compiled.append({"kernel": kernel.__name__, **kwargs})
             results[name] = compiled
         except Exception as exc:
             results[name] = f"{type(exc).__name__}: {exc}"[:3000]
@@ -1130,9 +1151,10 @@ def sm90_builds(tmp_path_factory):
         a, plan = plan_of(source)
         jobs[name] = (source, generate_rowwise(a, plan, {**SMALL, "num_warps": 4}))
     for name in SPLIT_COMPILED:  # the same candidates with their rows split over programs
-        source, candidate = jobs[name]
-        jobs[f"{name}_split"] = (source, candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
+        source = jobs[name][0]
         a, plan = plan_of(source)
+        candidate = generate_rowwise(a, plan, {**SPLIT_SMALL, "num_warps": 4})
+        jobs[f"{name}_split"] = (source, candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
         for suffix, lag in (("wait", 0), ("lagged", 28)):
             waiting = generate_rowwise(a, plan, {**SMALL_WAIT, "WAIT_LAG": lag, "num_warps": 4})
             jobs[f"{name}_{suffix}"] = (source, waiting.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64"))
@@ -1146,11 +1168,11 @@ def test_kernels_compile_for_sm90(name, sm90_builds):
     """The interpreter accepts code that the compiler refuses: every specialization must build."""
     compiled = sm90_builds[name]
     assert isinstance(compiled, list), compiled
-    kinds = {(c["kernel"], c.get("SINGLE_PASS")) for c in compiled}
-    assert ("row_reduction_kernel", False) in kinds
-    assert ("row_reduction_kernel", True) in kinds or name == "rmsnorm"  # 40 > 32 columns: chunks only
-    if name == "cross_entropy":
-        assert ("loss_reduce_kernel", None) in kinds
+    rows = {c.get("SINGLE_PASS") for c in compiled if launch_kind(c["kernel"]) == "rows"}
+    _, plan = plan_of((ROWS / f"{name}.py").read_text())
+    # rows of the example longer than SMALL's 32 columns: the loop alone (rmsnorm's 40, 70 classes)
+    assert rows == ({None} if row_length(plan) > SMALL["MAX_SINGLE"] else {False, True})
+    assert ("loss_reduce_kernel" in {c["kernel"] for c in compiled}) == (name == "cross_entropy")
 
 
 @pytest.mark.parametrize("name", SPLIT_COMPILED)
@@ -1158,7 +1180,7 @@ def test_split_row_kernels_compile_for_sm90(name, sm90_builds):
     """The stats launch and the output launch of split rows build too."""
     compiled = sm90_builds[f"{name}_split"]
     assert isinstance(compiled, list), compiled
-    phases = {c["PHASE"] for c in compiled if c["kernel"] == "row_reduction_kernel" and c["SPLITS"] > 1}
+    phases = {c["PHASE"] for c in compiled if launch_kind(c["kernel"]) == "split" and c["SPLITS"] > 1}
     assert phases == {1, 2}
 
 
@@ -1169,8 +1191,8 @@ def test_waiting_row_kernels_compile_for_sm90(name, lagged, sm90_builds):
     program writing its own part or, lagged, an earlier one first."""
     compiled = sm90_builds[f"{name}_{'lagged' if lagged else 'wait'}"]
     assert isinstance(compiled, list), compiled
-    waiting = [c for c in compiled if c["kernel"] == "row_reduction_kernel" and c["SPLITS"] > 1]
-    assert {(c["PHASE"], c["LAGGED"]) for c in waiting} == {(3, lagged)}
+    waiting = [c for c in compiled if launch_kind(c["kernel"]) == "wait" and c["SPLITS"] > 1]
+    assert {c["LAGGED"] for c in waiting} == {lagged}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1210,3 +1232,124 @@ def test_fixture_candidate_passes_verify(name, verdicts):
     assert verdict.kind == "kernel", verdict.kind_evidence
     assert "verified at one shape" not in verdict.flags
     assert len(verdict.input_sets) >= 7
+
+
+# ----------------------------------------------------------------------------------------------
+# A candidate carries only the path its plan and parameters select
+# ----------------------------------------------------------------------------------------------
+
+SUITE = sorted((Path(__file__).parents[2] / "bench" / "suite").glob("*.py"))
+#: Names that belong to split rows, waiting parts or GroupNorm rows only.
+SPLIT_NAMES = ("_split_kernel", "_splits", "SPLIT_TARGET", "ws_ptr", "PHASE")
+WAIT_NAMES = ("_wait_kernel", "_POSTED", "_posted", "SPIN_POLLS", "posted_ptr", "atomic_add", "_wait_lag")
+GROUPED_NAMES = ("_grouped", "GROUPS", "MODE_", "HAS_SPLIT", "WIDE_POSITIONS", "ONE_CHANNEL", "_per_column")
+
+
+def test_rmsnorm_candidate_carries_only_its_rows():
+    """6 rows of 40 columns: rows in registers and the multi-pass loop for longer rows of other
+    shapes; no split or waiting launch, no counters, no GroupNorm indexing, whatever the configuration."""
+    a, plan = plan_of((ROWS / "rmsnorm.py").read_text())
+    for params in [*tuning_space(plan, "sm_90"), *tuning_space(plan, "cpu"), {}]:
+        source = generate_rowwise(a, plan, params)
+        for name in (*SPLIT_NAMES, *WAIT_NAMES, *GROUPED_NAMES, "loss_reduce_kernel", "spin"):
+            assert name not in source, (name, params)
+        assert "def rms_norm_kernel(" in source and "def rms_norm(x, weight):" in source
+        assert "if SINGLE_PASS:" in source  # and its loop for longer rows
+        assert len(source.splitlines()) <= 250
+
+
+def test_groupnorm_candidate_with_waiting_parts(interpreter):
+    """GroupNorm's waiting-parts parameters keep the waiting launch, its counters and the grouped
+    indexing (and no two-launch split); it computes the reference's answer under the interpreter."""
+    import torch
+
+    source = (ROWS / "groupnorm_silu.py").read_text()
+    a, plan = plan_of(source)
+    candidate = generate_rowwise(a, plan, SMALL_WAIT)
+    for name in ("_wait_kernel", "_POSTED", "SPIN_POLLS", "atomic_add", "_grouped", "GROUPS"):
+        assert name in candidate, name
+    assert "_split_kernel" not in candidate and "loss_reduce_kernel" not in candidate
+    task = load_task(source, "groupnorm_silu.py")
+    torch.manual_seed(6)
+    sets = [task.get_inputs(), *task.get_test_inputs()]
+    candidate = candidate.replace("SPLIT_TARGET = None", "SPLIT_TARGET = 64")  # split on the CPU too
+    assert static_check(candidate) == []
+    interpreter.submit(compare_task_in_interpreter, source, candidate, sets).result()
+
+
+def _suite_tasks() -> list[tuple[str, str]]:
+    found = []
+    for path in SUITE:
+        source = path.read_text()
+        plan, _ = match(local_analysis(source, str(path)))
+        if plan is not None:
+            found.append((path.stem, source))
+    return found
+
+
+SUITE_ROWS = _suite_tasks()
+
+
+def test_suite_has_row_tasks():
+    names = {name for name, _ in SUITE_ROWS}
+    assert {"rmsnorm_llama_bf16", "groupnorm_silu_fp16", "cross_entropy_llm_vocab_bf16"} <= names
+
+
+def shrunk_inputs(inputs: list, groups: bool) -> list:
+    """The task's inputs cut to a few rows, the reduced dims (and GroupNorm's channels) kept whole."""
+    out = []
+    for t in inputs:
+        if not hasattr(t, "dim") or t.dim() == 0:
+            out.append(t)
+            continue
+        if not t.is_floating_point():  # class indices: one per row, cut as the rows are
+            index = tuple(slice(0, 2) for _ in range(t.dim()))
+        elif groups:  # (N, C, *): one sample, C whole, 2 positions per spatial dim
+            index = (slice(0, 1), slice(None), *(slice(0, 2) for _ in range(t.dim() - 2)))
+        else:
+            index = (*(slice(0, 2) for _ in range(t.dim() - 1)), slice(None))
+        out.append(t[index[: t.dim()]].clone())
+    return out
+
+
+def compare_task_in_interpreter(source: str, candidate: str, input_sets: list) -> None:
+    """The candidate against a float64 reference of the task (built from its init inputs) on each
+    input set (in the interpreter process)."""
+    import torch
+
+    task = load_task(source, "suite_task.py")
+    torch.manual_seed(0)
+    ref = task.model_cls(*task.get_init_inputs()).eval()
+    ref64 = task.model_cls(*task.get_init_inputs()).eval().double()
+    ref64.load_state_dict(ref.state_dict())
+    new = import_source(candidate, f"suite_{uuid.uuid4().hex[:8]}", "suite_candidate.py").ModelNew(
+        *task.get_init_inputs()
+    )
+    new.load_state_dict(ref.state_dict())
+    for inputs in input_sets:
+        with torch.no_grad():
+            native = ref(*inputs)
+            golden = ref64(*[t.double() if t.is_floating_point() else t for t in inputs]).double()
+            out = new(*inputs)
+        assert out.dtype == native.dtype and out.shape == golden.shape
+        own = float((native.double() - golden).abs().max())
+        err = float((out.double() - golden).abs().max())
+        assert err <= 1e-4 * float(golden.abs().max() + 1) + 2 * own, (err, own)
+
+
+@pytest.mark.parametrize(("name", "source"), SUITE_ROWS, ids=[name for name, _ in SUITE_ROWS])
+def test_suite_candidates_compile_and_verify(name, source, interpreter):
+    """Each configuration the planner tries first on sm_90 gives a candidate that parses; the
+    first one computes the reference's answer on a few rows under the interpreter."""
+    import ast
+
+    import torch
+
+    a, plan = plan_of(source)
+    space = tuning_space(plan, "sm_90")
+    for params in space[:4]:
+        ast.parse(generate_rowwise(a, plan, params))
+    candidate = generate_rowwise(a, plan, space[0])
+    torch.manual_seed(1)
+    inputs = shrunk_inputs(load_task(source, f"{name}.py").get_inputs(), plan.groups is not None)
+    interpreter.submit(compare_task_in_interpreter, source, candidate, [inputs]).result()

@@ -72,7 +72,7 @@ STRATEGIES: dict[str, Strategy] = {
             "The forward reduces each row of its last dim (softmax, log-softmax, layer/RMS/L2 norm, "
             "sum/mean/max, cross-entropy) between elementwise ops: one Triton kernel per block of rows, "
             "single pass in registers when a row fits, online multi-pass otherwise.",
-            module=f"{_PKG}.rowwise",
+            module=f"{_PKG}.rows",
         ),
         Strategy(
             "matmul_epilogue",
