@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kernelcrew.agents.playbook.rows.kernel import KernelWriter
+from kernelcrew.agents.playbook.rows.ir import RowPlan
+
+
+class KernelWriter(Protocol):
+    """What GroupNorm's pieces read of the kernel writer (:class:`.kernel.KernelWriter`)."""
+
+    plan: RowPlan
+
+    def ptr(self, i: int) -> str: ...
+    def off(self, i: int) -> str: ...
+    def stride(self, i: int, dim: str) -> str: ...
+    def mode(self, i: int) -> str: ...
 
 
 def row_offsets(w: KernelWriter) -> list[str]:
