@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import importlib
 import importlib.util
 import json
@@ -56,6 +57,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,7 @@ GUARANTEES = (
     "rlimits",
     "no_survivors",
     "private_caches",
+    "syscall_filter",
 )
 #: Files and folders of /etc the child sees (read-only): the dynamic loader's, the compilers'
 #: alternatives, time zone and name-service basics. ``passwd`` and ``group`` are made up per child.
@@ -115,6 +118,46 @@ ETC_ALLOW = (
     "lsb-release",
     "OpenCL",
 )
+#: System calls a child never needs and an attacker wants (other processes' memory, the kernel's
+#: keyring, BPF, modules, mounts, io_uring's unfiltered paths), refused with EPERM by a seccomp
+#: filter: their numbers on x86_64 and on aarch64.
+DENIED_SYSCALLS = {
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "bpf": (321, 280),
+    "userfaultfd": (323, 282),
+    "init_module": (175, 105),
+    "delete_module": (176, 106),
+    "finit_module": (313, 273),
+    "open_by_handle_at": (304, 265),
+    "name_to_handle_at": (303, 264),
+    "setns": (308, 268),
+    "syslog": (103, 116),
+    "reboot": (169, 142),
+    "swapon": (167, 224),
+    "swapoff": (168, 225),
+    "acct": (163, 89),
+    "pivot_root": (155, 41),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "lookup_dcookie": (212, 18),
+    "quotactl": (179, 60),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+}
 #: Largest build cache a child may hand on to later evaluations of the same code (bytes).
 MAX_SEALED_CACHE_BYTES = 4 * 1024**3
 
@@ -457,9 +500,12 @@ def _view_args(
     caches: list[tuple[Path, Path]],
     readonly: list[Path],
     tmp_bytes: int,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
-    """bwrap's options: namespaces, identity, and the filesystem view (see the module docstring)."""
-    args = [
+    """bwrap's options: namespaces, identity, the syscall filter read from ``seccomp_fd``, and the
+    filesystem view (see the module docstring)."""
+    args = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
+    args += [
         "--unshare-user",
         "--unshare-pid",
         "--unshare-net",
@@ -505,6 +551,47 @@ def _view_args(
         args += ["--bind", str(private), str(mount)]
     args += ["--remount-ro", "/", "--chdir", str(child_dir)]
     return args
+
+
+def seccomp_program() -> bytes | None:
+    """A classic-BPF seccomp filter (bwrap ``--seccomp``) refusing :data:`DENIED_SYSCALLS` with
+    EPERM, and any call of another ABI (x32, 32-bit); None on an architecture without a table."""
+    import platform
+    import struct
+
+    machine = platform.machine()
+    if machine in ("x86_64", "amd64"):
+        arch, column = 0xC000003E, 0  # AUDIT_ARCH_X86_64
+    elif machine in ("aarch64", "arm64"):
+        arch, column = 0xC00000B7, 1  # AUDIT_ARCH_AARCH64
+    else:
+        return None
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    numbers = sorted({row[column] for row in DENIED_SYSCALLS.values()})
+    n = len(numbers)
+    # 0 ld arch; 1 jeq arch; 2 ld nr; 3 jge x32 bit; 4.. jeq each; then allow, deny
+    code = [(ld, 0, 0, 4), (jeq, 0, n + 3, arch), (ld, 0, 0, 0), (jge, n + 1, 0, 0x40000000)]
+    for i, number in enumerate(numbers):
+        code.append((jeq, n - i, 0, number))  # to deny, past the remaining checks and allow
+    code += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("HBBI", *op) for op in code)
+
+
+@contextlib.contextmanager
+def _seccomp_file(workdir: Path) -> Iterator[int | None]:
+    """An open file holding :func:`seccomp_program` for bwrap to read (None where there is none)."""
+    program = seccomp_program()
+    if program is None:
+        yield None
+        return
+    path = workdir / "seccomp.bpf"
+    path.write_bytes(program)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _write_identity(workdir: Path, child_dir: Path) -> None:
@@ -556,16 +643,19 @@ def bwrap_status(settings: Settings | None = None) -> tuple[bool, str]:
         child_dir = workdir / "child"
         child_dir.mkdir()
         _write_identity(workdir, child_dir)
-        args = _view_args(workdir, child_dir, [], _readonly_paths(__name__ + ":_", (), None), 16 * 1024**2)
-        cmd = [tool, *args, sys.executable, "-m", "kernelcrew.tools.sandbox", "--probe-inside"]
-        probe = subprocess.run(
-            cmd,
-            env=_base_env(child_dir),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        with _seccomp_file(workdir) as fd:
+            paths = _readonly_paths(__name__ + ":_", (), None)
+            args = _view_args(workdir, child_dir, [], paths, 16 * 1024**2, fd)
+            cmd = [tool, *args, sys.executable, "-m", "kernelcrew.tools.sandbox", "--probe-inside"]
+            probe = subprocess.run(
+                cmd,
+                env=_base_env(child_dir),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                pass_fds=() if fd is None else (fd,),
+            )
         lines = (probe.stdout + probe.stderr).strip().splitlines() or ["no answer"]
         version = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=10).stdout
         if probe.returncode == 0 and lines[-1] == "isolated":
@@ -758,6 +848,8 @@ def run(
 
     scope = _code_digest(payload)
     caches: list[tuple[Path, Path]] = []
+    seccomp = _seccomp_file(workdir) if boxed else contextlib.nullcontext(None)
+    seccomp_fd = seccomp.__enter__()
     if boxed:
         _write_identity(workdir, child_dir)
         caches = _seed_caches(writable, workdir, scope)
@@ -767,6 +859,7 @@ def run(
             caches,
             _readonly_paths(target, wrapper, prefix),
             s.sandbox_tmp_mb * 1024**2,
+            seccomp_fd,
         )
         command = [
             *_join_cgroups(cgroups.procs),
@@ -809,13 +902,16 @@ def run(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            pass_fds=() if seccomp_fd is None else (seccomp_fd,),
         )
     except OSError as exc:
+        seccomp.__exit__(None, None, None)
         cgroups.remove()
         return SandboxResult(
             status="error", message=f"could not start the sandbox: {exc}", isolation=isolation
         )
 
+    seccomp.__exit__(None, None, None)  # bwrap has its own descriptor of the program now
     output = _OutputReader(proc, limits.max_output_bytes)
     output.start()
     status = None
@@ -911,6 +1007,7 @@ def _boxed_isolation(
             "rlimits": True,
             "no_survivors": True,
             "private_caches": True,
+            "syscall_filter": seccomp_program() is not None,
         },
     }
 
@@ -951,6 +1048,7 @@ def _unsafe_isolation(
             "rlimits": dropped or os.geteuid() != 0,
             "no_survivors": bool(cgroups.pids),
             "private_caches": False,
+            "syscall_filter": False,
         },
     }
 

@@ -145,6 +145,10 @@ def run_operation(
             return {**_error("bad_request", str(exc)), **where}
         if request["device"] == "cuda" and _worker_device() == "cpu":
             return {**_error("misrouted", f"{hostname} has no GPU but the {op} request is for cuda"), **where}
+        from kernelcrew.tools import sandbox
+
+        if (refusal := sandbox.service_refusal(s)) is not None:
+            return {**_error("no_isolation", f"{hostname} cannot isolate user code: {refusal}"), **where}
         result = getattr(worker_executor(s), op)(request)
         return {"ok": True, "result": result, **where}
     except TaskError as exc:
