@@ -694,11 +694,19 @@ def service_refusal(settings: Settings | None = None) -> str | None:
 
 
 def _code_digest(payload: dict[str, Any]) -> str:
-    """A digest of the untrusted code a payload runs (its task and candidate sources)."""
+    """A digest of the untrusted code a payload runs: the set of its task and candidate sources,
+    however the payload lays them out (``candidate_source``, or ``candidates`` of a benchmark), so
+    verifying, timing and profiling one candidate of one task share a build."""
     import hashlib
 
-    code = {k: v for k, v in payload.items() if k.endswith("source") or k == "candidates"}
-    return hashlib.sha256(json.dumps(code, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    code = {v for k, v in payload.items() if k.endswith("source") and isinstance(v, str)}
+    for entry in (payload.get("candidates") or {}).values():
+        if isinstance(entry, dict) and isinstance(entry.get("source"), str):
+            code.add(entry["source"])
+    digest = hashlib.sha256()
+    for text in sorted(code):
+        digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()[:16]
 
 
 def _seed_caches(writable: tuple[Path, ...], workdir: Path, scope: str) -> list[tuple[Path, Path]]:
@@ -993,7 +1001,7 @@ def _boxed_isolation(
         "memory_limit": (cgroups.memory + "; " if memory else "no memory cgroup: " + cgroups.reason + "; ")
         + f"RLIMIT_DATA {limits.memory_bytes // 1024**2} MiB",
         "network": "isolated: own network namespace, loopback only (bubblewrap)"
-        + (", shared with the wrapper" if wrapper else ""),
+        + (", loopback up for the wrapper" if wrapper else ""),
         "filesystem": "read-only view of the interpreter and system files; writes: own directory, private "
         f"/tmp and /dev/shm ({s.sandbox_tmp_mb} MiB each), private build caches",
         "guarantees": {

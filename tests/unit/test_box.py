@@ -472,3 +472,12 @@ def test_the_records_name_every_guarantee(box_settings):
     assert unsafe.ok and unsafe.isolation["mode"] == "unsafe-none"
     held = unsafe.isolation["guarantees"]
     assert not held["filesystem"] and not held["pid_namespace"] and not held["unix_sockets"]
+
+
+def test_verifying_timing_and_profiling_one_candidate_share_one_build():
+    """The cache key is the set of code a child runs, whatever the payload's layout."""
+    verify = {"task_source": "task", "candidate_source": "cand", "seed": 1}
+    bench = {"task_source": "task", "candidates": {"candidate": {"source": "cand", "path": "c.py"}}}
+    other_task = {"task_source": "another task", "candidate_source": "cand"}
+    assert sandbox._code_digest(verify) == sandbox._code_digest(bench)
+    assert sandbox._code_digest(verify) != sandbox._code_digest(other_task)
