@@ -336,8 +336,8 @@ def test_an_honest_evaluation_still_verifies_with_every_guarantee(reports, box_s
     must = set(sandbox.GUARANTEES) - {"memory_cgroup", "pids_limit", "syscall_filter"}
     assert all(guarantees[g] for g in must), guarantees
     # the candidate's Triton cache was private to its child, then sealed for this same code only
-    sealed = [p.name for p in cache_dirs(candidate)["root"].iterdir() if p.name.startswith("sealed-")]
-    assert len(sealed) == 1
+    scope = sandbox._code_digest({"task_source": task, "candidate_source": candidate})
+    assert (cache_dirs(candidate)["root"] / f"sealed-{scope}" / "triton").is_dir()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,8 +437,10 @@ def test_the_unsafe_flag_warns_loudly_and_says_so_in_the_record(monkeypatch):
 
     monkeypatch.setattr(cli, "run_verify", fake_verify)
     monkeypatch.setenv("KERNELCREW_SANDBOX_BWRAP", "no-such-bwrap")
+    monkeypatch.setenv("KERNELCREW_SANDBOX", "bwrap")  # the flag changes it: restored after the test
     task = str(FIXTURES / "tasks" / "relu.py")
     result = CliRunner().invoke(cli.app, ["--unsafe-no-sandbox", "verify", task, task, "--json"])
+    assert os.environ.get("KERNELCREW_SANDBOX") == "unsafe-none"  # for this CLI process only
     get_settings.cache_clear()
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
