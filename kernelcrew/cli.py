@@ -29,9 +29,50 @@ app.add_typer(token_app, name="token")
 console = Console(stderr=True)
 
 
+#: Commands that run task files or candidates (user code) on this machine.
+RUNS_USER_CODE = frozenset({"verify", "optimize", "profile", "bench"})
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    ctx: typer.Context,
+    unsafe_no_sandbox: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-no-sandbox",
+            help="Run task files and candidates without isolation (no bubblewrap): only your own code.",
+        ),
+    ] = False,
+) -> None:
     """kernelcrew: verified, faster GPU kernels for PyTorch modules."""
+    if ctx.invoked_subcommand in RUNS_USER_CODE:
+        require_sandbox(unsafe_no_sandbox)
+
+
+def require_sandbox(unsafe: bool) -> None:
+    """Refuse to run user code unisolated unless asked to, loudly (exit code 2)."""
+    import os
+
+    from kernelcrew.config import get_settings
+    from kernelcrew.tools import sandbox
+
+    if unsafe:
+        os.environ["KERNELCREW_SANDBOX"] = "unsafe-none"
+        get_settings.cache_clear()
+        console.print(
+            "[bold white on red] WARNING [/] [bold red]--unsafe-no-sandbox: task files and candidates run "
+            "WITHOUT isolation, with this user's access to its files, network, sockets and secrets. "
+            "Run only code you wrote or have read.[/]"
+        )
+        return
+    state = sandbox.readiness(get_settings())
+    if not state["ready"]:
+        console.print(
+            f"[bold red]error:[/] {sandbox.SandboxUnavailable(state['reason'])}. kernelcrew refuses to "
+            "run task files and candidates unisolated; pass --unsafe-no-sandbox before the command "
+            "(kernelcrew --unsafe-no-sandbox verify ...) to run your own code anyway."
+        )
+        raise typer.Exit(2)
 
 
 class Device(StrEnum):

@@ -31,10 +31,21 @@ class Settings(BaseSettings):
     precision: Literal["strict", "relaxed"] = "strict"
 
     # Sandbox: every task and candidate runs in a child process under these limits.
+    sandbox: Literal["bwrap", "unsafe-none"] = Field(
+        "bwrap",
+        description="How children are isolated: bwrap (bubblewrap namespaces; a job is refused where "
+        "they cannot be set up) or unsafe-none (a plain child process: the CLI's --unsafe-no-sandbox).",
+    )
+    sandbox_bwrap: str = Field("bwrap", description="The bubblewrap executable.")
+    sandbox_tmp_mb: int = Field(
+        1024, ge=16, description="Size of the child's private /tmp and /dev/shm (memory-backed)."
+    )
     sandbox_user: str = Field("nobody", description="Unprivileged user the child drops to when run as root.")
     sandbox_timeout_s: float = 300.0
     sandbox_cpu_s: int = 1800
-    sandbox_memory_mb: int = Field(32768, description="RLIMIT_DATA of the child (CUDA survives it).")
+    sandbox_memory_mb: int = Field(
+        32768, description="Memory cgroup limit of the child (all its processes) and its RLIMIT_DATA."
+    )
     sandbox_max_procs: int = Field(512, description="pids cgroup limit / RLIMIT_NPROC of the child.")
     sandbox_max_open_files: int = 1024
     sandbox_max_output_bytes: int = Field(

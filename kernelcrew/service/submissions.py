@@ -63,8 +63,14 @@ async def check_task_imports(task: str, settings: Settings) -> None:
     """Import the task once in a sandbox child (422 if that fails or outlasts the bound).
 
     Shared by the REST route and the web form. User code: never in this process; in a thread, so
-    the event loop keeps serving while the child runs.
+    the event loop keeps serving while the child runs. Where user code cannot be isolated here, the
+    job is refused (503): the service never runs it unisolated.
     """
+    from kernelcrew.tools import sandbox
+
+    refusal = await run_in_threadpool(sandbox.service_refusal, settings)
+    if refusal is not None:
+        raise HTTPException(503, f"this service cannot isolate user code, so it takes no jobs: {refusal}")
     try:
         await run_in_threadpool(
             validate_in_sandbox,

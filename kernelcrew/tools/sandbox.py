@@ -1,45 +1,54 @@
-"""Run one evaluation in a sandboxed child process and turn whatever happens to it into a record.
+"""Run one evaluation in an isolated child process and turn whatever happens to it into a record.
 
 The parent starts a fresh interpreter (spawn semantics, never fork of a process that holds CUDA)
-running ``python -m kernelcrew.tools.sandbox SPEC``. The child:
+running ``python -m kernelcrew.tools.sandbox SPEC``; the child runs ``package.module:function`` on
+the spec's payload and writes a JSON result record. Task files and candidates are untrusted code, so
+with ``KERNELCREW_SANDBOX=bwrap`` (the default) the child runs under bubblewrap and is isolated by
+construction, not by convention:
 
-* has its own working directory (``HOME`` and ``TMPDIR`` inside it) and a scrubbed environment:
-  an allow-list of variables, so API keys, broker and database URLs never reach user code;
-* joins a fresh pids cgroup (v1 or v2) when the caller may create one, so a fork bomb stops at the
-  limit even for root;
-* moves into a new network namespace (no interface up, so no socket reaches anything, loopback
-  included) where the kernel lets it: root needs only ``CLONE_NEWNET``; another user needs a user
-  namespace around it. Probed once per process; the record says which (``isolation.network``), and a
-  child that was promised a namespace and cannot make one runs no user code;
-* then drops to an unprivileged user (``KERNELCREW_SANDBOX_USER``, default ``nobody``) when the
-  caller is root and that user can run this interpreter; otherwise it stays the caller's user and the
-  record says so (``isolation.user``). The drop happens in the child, after the namespace and cgroup,
-  which need root;
-* sets its own rlimits before any user code runs: RLIMIT_DATA for memory
-  (CUDA reserves terabytes of address space, so RLIMIT_AS would kill it; RLIMIT_DATA does not),
-  RLIMIT_CPU, RLIMIT_NOFILE, RLIMIT_FSIZE, RLIMIT_NPROC (when not root) and no core dumps;
-* is its own process group and session; on timeout or too much output the whole group and every
-  process left in its cgroup are killed.
+* its own user, PID, network, IPC, UTS and (where the kernel has it) cgroup namespaces; uid and gid
+  65534 inside, no capabilities, no new privileges, no further user namespaces;
+* a filesystem view built from read-only binds of only what the interpreter needs (system dirs, a few
+  files of /etc, the Python prefix and environment, kernelcrew and the target's package, the CUDA
+  devices when present), its work dir read-only with a fresh writable ``child/`` inside, a private
+  size-limited ``/tmp`` and ``/dev/shm``, a fresh ``/proc`` and a minimal ``/dev``. The data dir,
+  the database, home, other jobs' folders, ``/run`` and every unix socket path are absent; abstract
+  sockets belong to the network namespace, so none of the host's is reachable either;
+* memory and processes limited by a cgroup (v1 or v2) that every process of the child is in before it
+  starts, plus rlimits (memory, CPU, open files, file size, no core dumps) set before any user code
+  runs, which it cannot raise without capabilities;
+* its own session and ``--die-with-parent``: when its main process ends or the parent kills it
+  (timeout, too much output), the PID namespace and everything in it dies, and whatever is left in
+  its cgroup is killed;
+* build caches it writes are private to the evaluation (see :func:`run`'s ``writable``); the parent
+  only ever reads JSON and ``torch.load(weights_only=True)`` files back, after removing symlinks and
+  special files the child left.
+
+Where bubblewrap is missing or fails its probe, :func:`run` raises :class:`SandboxUnavailable`
+(fail closed): the service refuses the job, the command line refuses unless ``--unsafe-no-sandbox``.
+``KERNELCREW_SANDBOX=unsafe-none`` runs a plain child process with a scrubbed environment, rlimits,
+a pids cgroup, a network namespace and a drop to ``KERNELCREW_SANDBOX_USER`` where each is
+available; its record says which guarantees did not hold.
 
 A segfault, a CUDA error, an infinite loop, ``sys.exit`` or ``os._exit`` inside user code becomes a
-:class:`SandboxResult` with a status and a message; the caller keeps running.
-
-What this does not enforce (see docs/security.md): a private filesystem view (the sandbox user can still
-write world-writable places such as ``/tmp`` and read world-readable files), and, where the privilege
-drop is unavailable, a determined process running as root can raise its own limits.
+:class:`SandboxResult` with a status and a message; the caller keeps running. The record's
+``isolation`` says how the child was isolated and, under ``guarantees``, which guarantee held.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import importlib
+import importlib.util
 import json
 import os
 import pwd
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -48,6 +57,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +81,85 @@ ENV_ALLOW = (
 )
 
 STATUSES = ("ok", "error", "timeout", "crashed", "output_limit")
+
+#: uid and gid of the child inside its user namespace (``nobody``).
+SANDBOX_ID = 65534
+#: The guarantees a record reports (``isolation["guarantees"]``), each true only where it held.
+GUARANTEES = (
+    "network",
+    "unix_sockets",
+    "pid_namespace",
+    "filesystem",
+    "unprivileged_uid",
+    "memory_cgroup",
+    "pids_limit",
+    "rlimits",
+    "no_survivors",
+    "private_caches",
+    "syscall_filter",
+)
+#: Files and folders of /etc the child sees (read-only): the dynamic loader's, the compilers'
+#: alternatives, time zone and name-service basics. ``passwd`` and ``group`` are made up per child.
+ETC_ALLOW = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "localtime",
+    "timezone",
+    "nsswitch.conf",
+    "host.conf",
+    "hosts",
+    "gai.conf",
+    "protocols",
+    "services",
+    "os-release",
+    "debian_version",
+    "lsb-release",
+    "OpenCL",
+)
+#: System calls a child never needs and an attacker wants (other processes' memory, the kernel's
+#: keyring, BPF, modules, mounts, io_uring's unfiltered paths), refused with EPERM by a seccomp
+#: filter: their numbers on x86_64 and on aarch64.
+DENIED_SYSCALLS = {
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "bpf": (321, 280),
+    "userfaultfd": (323, 282),
+    "init_module": (175, 105),
+    "delete_module": (176, 106),
+    "finit_module": (313, 273),
+    "open_by_handle_at": (304, 265),
+    "name_to_handle_at": (303, 264),
+    "setns": (308, 268),
+    "syslog": (103, 116),
+    "reboot": (169, 142),
+    "swapon": (167, 224),
+    "swapoff": (168, 225),
+    "acct": (163, 89),
+    "pivot_root": (155, 41),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "lookup_dcookie": (212, 18),
+    "quotactl": (179, 60),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+}
+#: Largest build cache a child may hand on to later evaluations of the same code (bytes).
+MAX_SEALED_CACHE_BYTES = 4 * 1024**3
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -128,6 +217,18 @@ class SandboxResult:
         return asdict(self)
 
 
+class SandboxUnavailable(RuntimeError):
+    """The isolation this child needs cannot be set up here; nothing of the user's ran."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"untrusted code cannot be isolated here: {reason}. Install bubblewrap (Debian/Ubuntu: "
+            "apt-get install bubblewrap) where user namespaces are allowed; the command line can run "
+            "your own code without isolation with --unsafe-no-sandbox"
+        )
+        self.reason = reason
+
+
 class StageError(Exception):
     """Raised inside a child by harness code to report a failure with a stage and details."""
 
@@ -156,10 +257,14 @@ def _sandbox_identity(user: str) -> tuple[int, int] | None:
 def privilege_drop(settings: Settings | None = None) -> tuple[bool, str]:
     """Whether children can run as the unprivileged sandbox user here, and why not if they cannot.
 
-    Probed once per process: the sandbox user must be able to start this interpreter and import
-    kernelcrew (a Python installed under a private home directory makes that impossible).
+    Under bubblewrap every child runs as uid 65534 of its own user namespace, in a view where the
+    work dir is read-only. Otherwise probed once per process: the sandbox user must be able to start
+    this interpreter and import kernelcrew (a Python installed under a private home directory makes
+    that impossible).
     """
     s = settings or get_settings()
+    if s.sandbox == "bwrap":
+        return True, f"children run as uid {SANDBOX_ID} in their own user namespace (bubblewrap)"
     if s.sandbox_user in _drop_cache:
         return _drop_cache[s.sandbox_user]
     if os.geteuid() != 0:
@@ -235,60 +340,435 @@ def _base_env(workdir: Path) -> dict[str, str]:
     return env
 
 
-class _PidsCgroup:
-    """A throw-away pids cgroup (v2 or v1) the child joins itself; absent where we may not create one."""
+class _Cgroups:
+    """Throw-away cgroups (v2, or v1 pids and memory) for one child; absent where we may not make them.
 
-    def __init__(self, limit: int) -> None:
-        self.path: Path | None = None
-        self.reason = ""
+    ``procs`` are the ``cgroup.procs`` files the child's first process joins before it starts anything.
+    """
+
+    def __init__(self, max_procs: int, memory_bytes: int | None) -> None:
+        self.dirs: list[Path] = []
+        self.pids = ""
+        self.memory = ""
+        self.reasons: list[str] = []
         name = f"kernelcrew-{uuid.uuid4().hex[:12]}"
-        candidates = []
         root = Path("/sys/fs/cgroup")
-        if (root / "cgroup.controllers").exists():
-            candidates.append(root / name)  # unified hierarchy
-        candidates.append(root / "pids" / name)  # v1
-        for path in candidates:
-            try:
-                path.mkdir()
-            except OSError as exc:
-                self.reason = f"cannot create {path}: {exc.strerror}"
-                continue
-            try:
-                (path / "pids.max").write_text(str(limit))
-            except OSError as exc:
-                self.reason = f"cannot limit {path}: {exc.strerror}"
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-                continue
-            self.path = path
-            self.reason = f"pids cgroup {path} (max {limit})"
+        if (root / "cgroup.controllers").exists():  # unified hierarchy
+            self._make(root / name, {"pids.max": max_procs}, "pids")
+            if memory_bytes and self.dirs:
+                self._limit(self.dirs[0], {"memory.max": memory_bytes, "memory.swap.max": 0}, "memory")
+        else:
+            self._make(root / "pids" / name, {"pids.max": max_procs}, "pids")
+            if memory_bytes:
+                limits = {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}
+                self._make(root / "memory" / name, limits, "memory")
+
+    def _make(self, path: Path, values: dict[str, int], what: str) -> None:
+        try:
+            path.mkdir()
+        except OSError as exc:
+            self.reasons.append(f"cannot create {path}: {exc.strerror}")
             return
+        self.dirs.append(path)
+        self._limit(path, values, what)
+
+    def _limit(self, path: Path, values: dict[str, int], what: str) -> None:
+        written = []
+        for key, value in values.items():
+            try:
+                (path / key).write_text(str(value))
+                written.append(key)
+            except OSError as exc:
+                if key.startswith(("memory.memsw", "memory.swap")):  # no swap accounting: no swap limit
+                    continue
+                self.reasons.append(f"cannot write {path / key}: {exc.strerror}")
+        if written:
+            setattr(self, what, f"{what} cgroup {path} ({', '.join(f'{k}={values[k]}' for k in written)})")
+
+    @property
+    def procs(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    @property
+    def reason(self) -> str:
+        return self.pids or "; ".join(self.reasons)
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed a process of this child for the memory limit."""
+        for d in self.dirs:
+            for name in ("memory.events", "memory.oom_control"):
+                with contextlib.suppress(OSError):
+                    for line in (d / name).read_text().splitlines():
+                        key, _, count = line.partition(" ")
+                        if key == "oom_kill" and count.strip() not in ("", "0"):
+                            return True
+        return False
 
     def kill_all(self) -> None:
-        if self.path is None:
-            return
-        for _ in range(50):
-            try:
-                pids = [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
-            except OSError:
-                return
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.02)
+        for d in self.dirs:
+            for _ in range(50):
+                try:
+                    pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+                except OSError:
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.02)
 
     def remove(self) -> None:
-        if self.path is None:
-            return
         self.kill_all()
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.02)
+        for d in self.dirs:
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bubblewrap: the filesystem view and the probe
+# ----------------------------------------------------------------------------------------------
+
+_bwrap_cache: dict[tuple[str, str], tuple[bool, str]] = {}
+
+
+def _bwrap_path(settings: Settings) -> str | None:
+    return shutil.which(settings.sandbox_bwrap)
+
+
+def _module_roots(*modules: str, search: tuple[str, ...] = ()) -> list[Path]:
+    """The folders holding these modules' top-level packages (what must be importable in the child),
+    found by this interpreter or in the child's ``search`` path."""
+    roots = []
+    for name in modules:
+        top = name.split(".")[0]
+        for entry in search:
+            for candidate in (Path(entry) / top, Path(entry) / f"{top}.py"):
+                if candidate.exists():
+                    roots.append(candidate)
+        with contextlib.suppress(ImportError, ValueError, AttributeError):
+            spec = importlib.util.find_spec(top)
+            if spec is None:
+                continue
+            if spec.submodule_search_locations:
+                roots.extend(Path(p) for p in spec.submodule_search_locations)
+            elif spec.origin and spec.origin not in ("built-in", "frozen"):
+                roots.append(Path(spec.origin))
+    return roots
+
+
+def _interpreter_paths() -> list[Path]:
+    """What the interpreter and its packages need, read-only: prefixes, environment, site-packages."""
+    import site
+    import sysconfig
+
+    paths = [Path(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}]
+    paths.append(Path(sys.executable).parent)
+    paths.append(Path(os.path.realpath(sys.executable)).parent.parent)
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        with contextlib.suppress(KeyError):
+            paths.append(Path(sysconfig.get_paths()[key]))
+    with contextlib.suppress(AttributeError):
+        paths.extend(Path(p) for p in site.getsitepackages())
+    return paths
+
+
+def _outermost(paths: list[Path]) -> list[Path]:
+    """Existing absolute paths, without those inside another one of the list, shortest first."""
+    real = sorted({Path(os.path.realpath(p)) for p in paths if os.path.isabs(p) and os.path.exists(p)})
+    kept: list[Path] = []
+    for path in real:
+        if path == Path("/") or any(path.is_relative_to(k) for k in kept):
+            continue
+        kept.append(path)
+    return kept
+
+
+def _nvidia_devices() -> list[str]:
+    import glob
+
+    return sorted(glob.glob("/dev/nvidia*"))
+
+
+def _view_args(
+    workdir: Path,
+    child_dir: Path,
+    caches: list[tuple[Path, Path]],
+    readonly: list[Path],
+    tmp_bytes: int,
+    seccomp_fd: int | None = None,
+) -> list[str]:
+    """bwrap's options: namespaces, identity, the syscall filter read from ``seccomp_fd``, and the
+    filesystem view (see the module docstring)."""
+    args = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
+    args += [
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        str(SANDBOX_ID),
+        "--gid",
+        str(SANDBOX_ID),
+        "--hostname",
+        "sandbox",
+        "--tmpfs",
+        "/",
+    ]
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for name in ETC_ALLOW:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    etc = workdir / "etc"
+    for name in ("passwd", "group"):
+        args += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    gpu = _nvidia_devices()
+    for dev in gpu:  # the driver's devices (nvidia0.., nvidiactl, nvidia-uvm, nvidia-caps/)
+        args += ["--dev-bind", dev, dev]
+    sys_paths = ["/sys/devices/system/cpu", "/sys/devices/system/node"]
+    if gpu:  # the CUDA driver and NVML walk the PCI tree and read the module's parameters
+        sys_paths = ["/sys/devices", "/sys/bus", "/sys/class", "/sys/dev", "/sys/module"]
+    for path in sys_paths:
+        args += ["--ro-bind-try", path, path]
+    args += ["--size", str(tmp_bytes), "--tmpfs", "/dev/shm", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    for path in _outermost(readonly):
+        args += ["--ro-bind", str(path), str(path)]
+    args += ["--ro-bind", str(workdir), str(workdir), "--bind", str(child_dir), str(child_dir)]
+    for private, mount in caches:
+        args += ["--bind", str(private), str(mount)]
+    args += ["--remount-ro", "/", "--chdir", str(child_dir)]
+    return args
+
+
+def seccomp_program() -> bytes | None:
+    """A classic-BPF seccomp filter (bwrap ``--seccomp``) refusing :data:`DENIED_SYSCALLS` with
+    EPERM, and any call of another ABI (x32, 32-bit); None on an architecture without a table."""
+    import platform
+    import struct
+
+    machine = platform.machine()
+    if machine in ("x86_64", "amd64"):
+        arch, column = 0xC000003E, 0  # AUDIT_ARCH_X86_64
+    elif machine in ("aarch64", "arm64"):
+        arch, column = 0xC00000B7, 1  # AUDIT_ARCH_AARCH64
+    else:
+        return None
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    numbers = sorted({row[column] for row in DENIED_SYSCALLS.values()})
+    n = len(numbers)
+    # 0 ld arch; 1 jeq arch; 2 ld nr; 3 jge x32 bit; 4.. jeq each; then allow, deny
+    code = [(ld, 0, 0, 4), (jeq, 0, n + 3, arch), (ld, 0, 0, 0), (jge, n + 1, 0, 0x40000000)]
+    for i, number in enumerate(numbers):
+        code.append((jeq, n - i, 0, number))  # to deny, past the remaining checks and allow
+    code += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("HBBI", *op) for op in code)
+
+
+@contextlib.contextmanager
+def _seccomp_file(workdir: Path) -> Iterator[int | None]:
+    """An open file holding :func:`seccomp_program` for bwrap to read (None where there is none)."""
+    program = seccomp_program()
+    if program is None:
+        yield None
+        return
+    path = workdir / "seccomp.bpf"
+    path.write_bytes(program)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _write_identity(workdir: Path, child_dir: Path) -> None:
+    """The child's /etc/passwd and /etc/group: only root and its own user (getpass, Inductor)."""
+    etc = workdir / "etc"
+    etc.mkdir(exist_ok=True)
+    (etc / "passwd").write_text(
+        "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+        f"nobody:x:{SANDBOX_ID}:{SANDBOX_ID}:nobody:{child_dir}:/usr/sbin/nologin\n"
+    )
+    (etc / "group").write_text(f"root:x:0:\nnogroup:x:{SANDBOX_ID}:\n")
+
+
+def _readonly_paths(target: str, wrapper: tuple[str, ...], pycache_prefix: Path | None) -> list[Path]:
+    import kernelcrew
+
+    paths = _interpreter_paths()
+    paths.append(Path(kernelcrew.__file__).resolve().parent)
+    search = _base_env(Path("/nonexistent"))["PYTHONPATH"].split(os.pathsep)
+    paths.extend(_module_roots(target.split(":")[0], search=tuple(search)))
+    paths.extend(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    for var in ("CUDA_HOME", "CUDA_PATH", "TRITON_PTXAS_PATH"):
+        if os.environ.get(var):
+            paths.append(Path(os.environ[var]))
+    if wrapper and (tool := shutil.which(wrapper[0])):
+        paths.append(Path(os.path.realpath(tool)).parent)  # e.g. an Nsight Compute install in /opt
+    if pycache_prefix is not None:
+        paths.append(pycache_prefix)
+    return paths
+
+
+def bwrap_status(settings: Settings | None = None) -> tuple[bool, str]:
+    """Whether children can be isolated with bubblewrap here, and the version or why not.
+
+    Probed once per process: a child is started in the full view and checks, from inside, its uid,
+    that no network interface but the loopback exists and that the root is read-only and holds no
+    /etc/shadow. Containers and kernels differ: Docker's default seccomp profile refuses the user
+    namespace bubblewrap needs, some kernels refuse unprivileged user namespaces.
+    """
+    s = settings or get_settings()
+    tool = _bwrap_path(s)
+    if tool is None:
+        return False, f"bubblewrap ({s.sandbox_bwrap!r}) is not installed"
+    key = (tool, sys.executable)
+    if key in _bwrap_cache:
+        return _bwrap_cache[key]
+    workdir = make_workdir("kc-probe-")
+    try:
+        child_dir = workdir / "child"
+        child_dir.mkdir()
+        _write_identity(workdir, child_dir)
+        with _seccomp_file(workdir) as fd:
+            paths = _readonly_paths(__name__ + ":_", (), None)
+            args = _view_args(workdir, child_dir, [], paths, 16 * 1024**2, fd)
+            cmd = [tool, *args, sys.executable, "-m", "kernelcrew.tools.sandbox", "--probe-inside"]
+            probe = subprocess.run(
+                cmd,
+                env=_base_env(child_dir),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                pass_fds=() if fd is None else (fd,),
+            )
+        lines = (probe.stdout + probe.stderr).strip().splitlines() or ["no answer"]
+        version = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=10).stdout
+        if probe.returncode == 0 and lines[-1] == "isolated":
+            verdict = (True, version.strip() or "bubblewrap")
+        else:
+            verdict = (False, f"bubblewrap failed its probe: {lines[-1][:300]}")
+    except (OSError, subprocess.SubprocessError) as exc:
+        verdict = (False, f"bubblewrap failed its probe: {exc}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    _bwrap_cache[key] = verdict
+    return verdict
+
+
+def readiness(settings: Settings | None = None) -> dict[str, Any]:
+    """What isolation children get here: ``{"mode", "ready", "reason"}`` (``ready`` False: refused)."""
+    s = settings or get_settings()
+    if s.sandbox == "unsafe-none":
+        return {"mode": s.sandbox, "ready": True, "reason": "isolation turned off (unsafe-none)"}
+    ok, reason = bwrap_status(s)
+    return {"mode": s.sandbox, "ready": ok, "reason": reason}
+
+
+def service_refusal(settings: Settings | None = None) -> str | None:
+    """Why the service must refuse jobs here (it runs other people's code only isolated), or None."""
+    s = settings or get_settings()
+    if s.sandbox != "bwrap":
+        return f"KERNELCREW_SANDBOX={s.sandbox}: the service runs user code only under bubblewrap"
+    ok, reason = bwrap_status(s)
+    return None if ok else reason
+
+
+# ----------------------------------------------------------------------------------------------
+# Build caches: private to each evaluation, sealed by the first one that ran only their own code
+# ----------------------------------------------------------------------------------------------
+
+
+def _code_digest(payload: dict[str, Any]) -> str:
+    """A digest of the untrusted code a payload runs: the set of its task and candidate sources,
+    however the payload lays them out (``candidate_source``, or ``candidates`` of a benchmark), so
+    verifying, timing and profiling one candidate of one task share a build."""
+    import hashlib
+
+    code = {v for k, v in payload.items() if k.endswith("source") and isinstance(v, str)}
+    for entry in (payload.get("candidates") or {}).values():
+        if isinstance(entry, dict) and isinstance(entry.get("source"), str):
+            code.add(entry["source"])
+    digest = hashlib.sha256()
+    for text in sorted(code):
+        digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()[:16]
+
+
+def _seed_caches(writable: tuple[Path, ...], workdir: Path, scope: str) -> list[tuple[Path, Path]]:
+    """A private copy of each cache for this child: the sealed entry of the same code, else empty,
+    with the same empty sub-folders the caller made (``triton/``, ...)."""
+    pairs = []
+    for i, mount in enumerate(writable):
+        mount = Path(mount)
+        mount.mkdir(parents=True, exist_ok=True)
+        private = workdir / "caches" / str(i)
+        sealed = mount / f"sealed-{scope}"
+        if sealed.is_dir():
+            shutil.copytree(sealed, private, symlinks=True)
+        else:
+            private.mkdir(parents=True)
+        for sub in mount.iterdir():
+            if sub.is_dir() and not sub.name.startswith(("sealed-", ".staging-")):
+                (private / sub.name).mkdir(exist_ok=True)
+        pairs.append((private, mount))
+    return pairs
+
+
+def _seal(private: Path, mount: Path, scope: str) -> bool:
+    """Keep what the child built for later evaluations of the same code (first writer only):
+    regular files and folders only, no set-id bits, at most :data:`MAX_SEALED_CACHE_BYTES`."""
+    sealed = mount / f"sealed-{scope}"
+    if sealed.exists():
+        return False
+    total = 0
+    staging = mount / f".staging-{uuid.uuid4().hex[:12]}"
+    try:
+        for root, dirs, files in os.walk(private):
+            rel = Path(root).relative_to(private)
+            (staging / rel).mkdir(mode=0o755, parents=True, exist_ok=True)
+            for name in files:
+                source = Path(root) / name
+                info = source.lstat()
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                total += info.st_size
+                if total > MAX_SEALED_CACHE_BYTES:
+                    raise OSError("cache too large to keep")
+                shutil.copyfile(source, staging / rel / name, follow_symlinks=False)
+                os.chmod(staging / rel / name, 0o755 if info.st_mode & 0o100 else 0o644)
+            dirs[:] = [d for d in dirs if stat.S_ISDIR((Path(root) / d).lstat().st_mode)]
+        os.rename(staging, sealed)
+        return True
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
+
+
+def _sanitize(child_dir: Path) -> None:
+    """Remove what the parent must never follow or open from the child's folder: symlinks, FIFOs,
+    sockets and device nodes (a symlink named like a result could point anywhere on the host)."""
+    for root, dirs, files in os.walk(child_dir):
+        for name in [*dirs, *files]:
+            path = Path(root) / name
+            with contextlib.suppress(OSError):
+                mode = path.lstat().st_mode
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    path.unlink()
 
 
 def make_workdir(prefix: str = "kc-") -> Path:
@@ -311,37 +791,45 @@ def run(
     """Run ``target`` (``"package.module:function"``) on ``payload`` in a sandboxed child.
 
     The function is called as ``function(payload, workdir)`` and must return a JSON-serializable
-    dict. Files the parent wants the child to read go into ``workdir`` before the call (the child's
-    own directory is ``workdir / "child"``, the only place it may write besides ``writable``, the
-    build caches, which are handed to the sandbox user for the run). ``env`` adds variables to the
+    dict. Files the parent wants the child to read go into ``workdir`` before the call (read-only to
+    the child); the child's own directory is ``workdir / "child"``. ``env`` adds variables to the
     scrubbed environment (never secrets). ``wrapper`` prefixes the child's command line (a tool such
-    as ``compute-sanitizer`` that runs the interpreter); it shares the child's network namespace,
-    with a loopback up so the two can talk, and nothing else.
+    as ``compute-sanitizer`` that runs the interpreter); it shares the child's box.
+
+    ``writable`` are build caches (Triton, C++ extensions, Inductor). Under bubblewrap the child
+    sees, at each path, a private copy: the sealed entry made by an earlier evaluation of the same
+    code (the payload's task and candidate sources), or an empty folder. After a successful child
+    that had exactly one cache, and where no sealed entry exists yet, the parent seals the copy for
+    later evaluations of that same code. So a child never writes a cache another child reads unless
+    that child runs exactly the code that wrote it, and nothing it wrote is imported by the parent.
+
+    Raises :class:`SandboxUnavailable` where ``KERNELCREW_SANDBOX=bwrap`` and bubblewrap cannot
+    isolate the child: no user code runs then.
     """
     s = settings or get_settings()
     limits = limits or SandboxLimits.from_settings(s)
+    boxed = s.sandbox == "bwrap"
+    if boxed:
+        ready, box_reason = bwrap_status(s)
+        if not ready:
+            raise SandboxUnavailable(box_reason)
     own_workdir = workdir is None
     workdir = workdir or make_workdir()
     child_dir = workdir / "child"
     (child_dir / "tmp").mkdir(parents=True, exist_ok=True)
+    writable = tuple(Path(p) for p in writable)
 
-    can_drop, drop_reason = privilege_drop(s)
-    ident = _sandbox_identity(s.sandbox_user) if can_drop else None
-    cgroup = _PidsCgroup(limits.max_procs)
-    own_net, net_reason = network_isolation()
-    isolation = {
-        "user": s.sandbox_user if ident else pwd.getpwuid(os.geteuid()).pw_name,
-        "privilege_drop": drop_reason,
-        "pids_limit": cgroup.reason
-        or ("RLIMIT_NPROC" if ident or os.geteuid() != 0 else "none: root without a cgroup"),
-        "memory_limit": f"RLIMIT_DATA {limits.memory_bytes // 1024**2} MiB",
-        "network": (f"isolated: {net_reason}" + (", loopback up for the wrapper" if wrapper else ""))
-        if own_net
-        else f"not isolated: {net_reason}",
-        "filesystem": "writes: own directory and build caches, plus world-writable paths (/tmp, /dev/shm)"
-        if ident
-        else "writes: wherever the caller's user may (no privilege drop)",
-    }
+    if boxed:
+        ident = None
+        cgroups = _Cgroups(limits.max_procs, limits.memory_bytes)
+        isolation = _boxed_isolation(box_reason, cgroups, limits, s, wrapper)
+        own_net = False
+    else:
+        can_drop, drop_reason = privilege_drop(s)
+        ident = _sandbox_identity(s.sandbox_user) if can_drop else None
+        cgroups = _Cgroups(limits.max_procs, None)
+        own_net, net_reason = network_isolation()
+        isolation = _unsafe_isolation(ident, drop_reason, cgroups, own_net, net_reason, limits, s, wrapper)
 
     spec = {
         "target": target,
@@ -350,10 +838,11 @@ def run(
         "child_dir": str(child_dir),
         "result_path": str(child_dir / f"result-{uuid.uuid4().hex}.json"),
         "limits": asdict(limits),
-        "cgroup_procs": str(cgroup.path / "cgroup.procs") if cgroup.path else None,
+        "cgroup_procs": None if boxed or not cgroups.procs else cgroups.procs[0],
         "drop_nproc": ident is not None or os.geteuid() != 0,
         "drop_to": list(ident) if ident is not None else None,
         "isolate_network": own_net and not wrapper,  # else the launcher below made the namespace
+        "boxed": boxed,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -364,42 +853,73 @@ def run(
         child_env["PYTHONPYCACHEPREFIX"] = str(prefix)
     if env:
         child_env.update(env)
-    if ident is not None:
-        uid, gid = ident
-        for path in (workdir, spec_path):
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        for root, dirs, files in os.walk(child_dir):
-            for name in [*dirs, *files]:
-                os.chown(os.path.join(root, name), uid, gid)
-        os.chown(child_dir, uid, gid)
-        for path in writable:
-            _chown_tree(path, uid, gid)
+
+    scope = _code_digest(payload)
+    caches: list[tuple[Path, Path]] = []
+    seccomp = _seccomp_file(workdir) if boxed else contextlib.nullcontext(None)
+    seccomp_fd = seccomp.__enter__()
+    if boxed:
+        _write_identity(workdir, child_dir)
+        caches = _seed_caches(writable, workdir, scope)
+        view = _view_args(
+            workdir,
+            child_dir,
+            caches,
+            _readonly_paths(target, wrapper, prefix),
+            s.sandbox_tmp_mb * 1024**2,
+            seccomp_fd,
+        )
+        command = [
+            *_join_cgroups(cgroups.procs),
+            _bwrap_path(s) or s.sandbox_bwrap,
+            *view,
+            *wrapper,
+            sys.executable,
+            "-m",
+            "kernelcrew.tools.sandbox",
+            str(spec_path),
+        ]
+    else:
+        if ident is not None:
+            uid, gid = ident
+            for path in (workdir, spec_path):
+                os.chmod(path, 0o755 if path.is_dir() else 0o644)
+            for root, dirs, files in os.walk(child_dir):
+                for name in [*dirs, *files]:
+                    os.chown(os.path.join(root, name), uid, gid)
+            os.chown(child_dir, uid, gid)
+            for path in writable:
+                _chown_tree(path, uid, gid)
+        command = [
+            *_launcher(own_net and bool(wrapper)),
+            *wrapper,
+            sys.executable,
+            "-m",
+            "kernelcrew.tools.sandbox",
+            str(spec_path),
+        ]
 
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [
-                *_launcher(own_net and bool(wrapper)),
-                *wrapper,
-                sys.executable,
-                "-m",
-                "kernelcrew.tools.sandbox",
-                str(spec_path),
-            ],
+            command,
             cwd=child_dir,
-            env=child_env,
+            env=child_env,  # bwrap passes its own environment on: the scrubbed one
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            pass_fds=() if seccomp_fd is None else (seccomp_fd,),
         )
     except OSError as exc:
-        cgroup.remove()
+        seccomp.__exit__(None, None, None)
+        cgroups.remove()
         return SandboxResult(
             status="error", message=f"could not start the sandbox: {exc}", isolation=isolation
         )
 
+    seccomp.__exit__(None, None, None)  # bwrap has its own descriptor of the program now
     output = _OutputReader(proc, limits.max_output_bytes)
     output.start()
     status = None
@@ -415,7 +935,8 @@ def run(
             time.sleep(0.01)
     finally:
         _kill_group(proc)
-        cgroup.remove()
+        oom = cgroups.oom_killed()
+        cgroups.remove()
         output.join(timeout=5)
         if ident is not None:  # hand the caches back: no later child may write into this one's
             for path in writable:
@@ -423,10 +944,14 @@ def run(
     wall = time.monotonic() - started
     if output.exceeded:
         status = "output_limit"
+    _sanitize(child_dir)
 
+    returncode = proc.returncode
+    if boxed and returncode is not None and 128 < returncode < 128 + signal.NSIG:
+        returncode = 128 - returncode  # bwrap exits 128+N for a child killed by signal N
     result = SandboxResult(
         status=status or "ok",
-        returncode=proc.returncode,
+        returncode=returncode,
         wall_s=round(wall, 3),
         output_tail=output.tail(),
         output_bytes=output.total,
@@ -436,11 +961,104 @@ def run(
         result.message = f"timed out after {limits.wall_s:g} s wall-clock; process group killed"
     elif status == "output_limit":
         result.message = f"printed more than {limits.max_output_bytes} bytes; process group killed"
+    elif boxed and returncode == 125 and cgroups.procs and not output.total:
+        result.status = "error"
+        result.message = "could not start the sandbox: the child could not join its cgroups"
     else:
-        _read_child_result(result, Path(spec["result_path"]), proc.returncode)
+        _read_child_result(result, Path(spec["result_path"]), returncode)
+        if oom and result.status == "crashed":
+            result.message += f"; the memory cgroup's limit ({limits.memory_bytes // 1024**2} MiB) was hit"
+    if boxed and result.ok and len(caches) == 1:
+        _seal(*caches[0], scope)
     if own_workdir and not keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
+    elif caches:
+        shutil.rmtree(workdir / "caches", ignore_errors=True)
     return result
+
+
+def _join_cgroups(procs: list[str]) -> list[str]:
+    """A shell that moves itself into the child's cgroups, then becomes bwrap (same pid): every
+    process of the child starts inside them."""
+    if not procs:
+        return []
+    script = 'for f in $1; do echo $$ > "$f" || exit 125; done; shift; exec "$@"'
+    return ["/bin/sh", "-c", script, "kernelcrew-sandbox", " ".join(procs)]
+
+
+def _boxed_isolation(
+    reason: str, cgroups: _Cgroups, limits: SandboxLimits, s: Settings, wrapper: tuple[str, ...]
+) -> dict[str, Any]:
+    host_root = os.geteuid() == 0
+    memory = bool(cgroups.memory)
+    return {
+        "mode": "bwrap",
+        "sandbox": reason,
+        "user": f"uid {SANDBOX_ID} in its own user namespace, no capabilities"
+        + ("; root outside it" if host_root else f"; uid {os.geteuid()} outside it"),
+        "privilege_drop": f"children run as uid {SANDBOX_ID} in their own user namespace (bubblewrap)",
+        "pids_limit": cgroups.pids or ("RLIMIT_NPROC" if not host_root else "none: " + cgroups.reason),
+        "memory_limit": (cgroups.memory + "; " if memory else "no memory cgroup: " + cgroups.reason + "; ")
+        + f"RLIMIT_DATA {limits.memory_bytes // 1024**2} MiB",
+        "network": "isolated: own network namespace, loopback only (bubblewrap)"
+        + (", loopback up for the wrapper" if wrapper else ""),
+        "filesystem": "read-only view of the interpreter and system files; writes: own directory, private "
+        f"/tmp and /dev/shm ({s.sandbox_tmp_mb} MiB each), private build caches",
+        "guarantees": {
+            "network": True,
+            "unix_sockets": True,
+            "pid_namespace": True,
+            "filesystem": True,
+            "unprivileged_uid": True,
+            "memory_cgroup": memory,
+            "pids_limit": bool(cgroups.pids) or not host_root,
+            "rlimits": True,
+            "no_survivors": True,
+            "private_caches": True,
+            "syscall_filter": seccomp_program() is not None,
+        },
+    }
+
+
+def _unsafe_isolation(
+    ident: tuple[int, int] | None,
+    drop_reason: str,
+    cgroups: _Cgroups,
+    own_net: bool,
+    net_reason: str,
+    limits: SandboxLimits,
+    s: Settings,
+    wrapper: tuple[str, ...],
+) -> dict[str, Any]:
+    dropped = ident is not None
+    return {
+        "mode": "unsafe-none",
+        "sandbox": "none: a plain child process (KERNELCREW_SANDBOX=unsafe-none)",
+        "user": s.sandbox_user if ident else pwd.getpwuid(os.geteuid()).pw_name,
+        "privilege_drop": drop_reason,
+        "pids_limit": cgroups.reason
+        or ("RLIMIT_NPROC" if ident or os.geteuid() != 0 else "none: root without a cgroup"),
+        "memory_limit": f"RLIMIT_DATA {limits.memory_bytes // 1024**2} MiB",
+        "network": (f"isolated: {net_reason}" + (", loopback up for the wrapper" if wrapper else ""))
+        if own_net
+        else f"not isolated: {net_reason}",
+        "filesystem": "writes: own directory and build caches, plus world-writable paths (/tmp, /dev/shm)"
+        if ident
+        else "writes: wherever the caller's user may (no privilege drop)",
+        "guarantees": {
+            "network": own_net,
+            "unix_sockets": False,
+            "pid_namespace": False,
+            "filesystem": False,
+            "unprivileged_uid": dropped,
+            "memory_cgroup": False,
+            "pids_limit": bool(cgroups.pids) or dropped or os.geteuid() != 0,
+            "rlimits": dropped or os.geteuid() != 0,
+            "no_survivors": bool(cgroups.pids),
+            "private_caches": False,
+            "syscall_filter": False,
+        },
+    }
 
 
 def _launcher(needed: bool) -> tuple[str, ...]:
@@ -581,7 +1199,8 @@ def _drop_privileges(uid: int, gid: int) -> None:
 def _die_with_parent() -> None:
     """Ask the kernel to SIGKILL this child when the parent dies (Linux), so no orphan runs on.
 
-    Called after the privilege drop, which clears the request.
+    Called after the privilege drop, which clears the request. (Under bubblewrap the parent is the
+    box's init, pid 1, and ``--die-with-parent`` already asked for this.)
     """
     with contextlib.suppress(OSError, AttributeError):
         _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -602,7 +1221,8 @@ def _child_main(spec_path: str) -> None:
         unshare_network()  # raises before any user code when the promise cannot be kept
     if spec["drop_to"]:
         _drop_privileges(*spec["drop_to"])
-    _die_with_parent()
+    if not spec.get("boxed"):
+        _die_with_parent()
     _apply_limits(spec["limits"], spec["drop_nproc"])
     os.umask(0o077)
     result_path = Path(spec["result_path"])
@@ -661,8 +1281,33 @@ def _probe_network() -> None:
         sys.exit(1)
 
 
+def _probe_inside() -> None:
+    """Run inside a fresh box by :func:`bwrap_status`: say ``isolated`` only if the box holds."""
+    import errno
+    import socket
+
+    problems = []
+    if os.getuid() != SANDBOX_ID or os.getgid() != SANDBOX_ID:
+        problems.append(f"uid {os.getuid()} gid {os.getgid()}")
+    names = sorted(name for _, name in socket.if_nameindex())
+    if names != ["lo"]:
+        problems.append(f"network interfaces {names}")
+    if os.path.exists("/etc/shadow"):
+        problems.append("/etc/shadow is visible")
+    try:
+        Path("/kernelcrew-probe").write_text("")
+        problems.append("the root is writable")
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            problems.append(f"writing the root: {exc}")
+    print("; ".join(problems) or "isolated")
+    sys.exit(1 if problems else 0)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--probe-network":
+    if sys.argv[1] == "--probe-inside":
+        _probe_inside()
+    elif sys.argv[1] == "--probe-network":
         _probe_network()
     elif sys.argv[1] == "--netns-exec":
         _netns_exec(sys.argv[2:])

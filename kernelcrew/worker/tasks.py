@@ -156,6 +156,10 @@ def run_operation(
             return {**_error("bad_request", str(exc)), **where}
         if typed.device == "cuda" and _worker_device() == "cpu":
             return {**_error("misrouted", f"{hostname} has no GPU but the {op} request is for cuda"), **where}
+        from kernelcrew.tools import sandbox
+
+        if (refusal := sandbox.service_refusal(s)) is not None:
+            return {**_error("no_isolation", f"{hostname} cannot isolate user code: {refusal}"), **where}
         result = getattr(worker_executor(s), op)(typed)
         return {"ok": True, "result": result.model_dump(mode="json"), **where}
     except TaskError as exc:

@@ -109,3 +109,26 @@ def import_fresh(payload, workdir):
         "new": payload["module"] not in before,
         "cached": module.__spec__.cached,
     }
+
+
+def touch(payload, workdir):
+    Path(payload["path"]).write_text("ran")
+    return {}
+
+
+def cache_probe(payload, workdir):
+    """Read what the build cache at payload['cache'] holds, then write payload['text'] into it."""
+    triton = Path(payload["cache"]) / "triton"
+    seen = sorted(p.read_text() for p in triton.iterdir())
+    if payload["text"]:
+        (triton / f"kernel-{len(seen)}").write_text(payload["text"])
+    return {"seen": seen}
+
+
+def leave_links(payload, workdir):
+    """Leave symlinks (to payload['targets']), a FIFO and a plain file in the child's folder."""
+    for i, target in enumerate(payload["targets"]):
+        os.symlink(target, f"link-{i}")
+    os.mkfifo("fifo")
+    Path("plain.txt").write_text("ok")
+    return {}
