@@ -1300,8 +1300,28 @@ def _probe_inside() -> None:
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             problems.append(f"writing the root: {exc}")
+    if os.path.exists("/dev/nvidiactl"):
+        problems += cuda_problems()
     print("; ".join(problems) or "isolated")
     sys.exit(1 if problems else 0)
+
+
+#: cuInit's answers that mean the driver works: success, and no device visible (CUDA_VISIBLE_DEVICES)
+CUDA_FINE = (0, 100)
+
+
+def cuda_problems() -> list[str]:
+    """Why the CUDA driver cannot start in this view, on a host with NVIDIA devices ([] when it can),
+    so that a box that would fail every GPU evaluation is refused at its probe, with the reason."""
+    import ctypes
+
+    try:
+        status = ctypes.CDLL("libcuda.so.1").cuInit(0)
+    except OSError as exc:
+        return [f"the CUDA driver does not load inside the box ({exc})"]
+    return (
+        [] if status in CUDA_FINE else [f"the CUDA driver does not start inside the box (cuInit: {status})"]
+    )
 
 
 if __name__ == "__main__":

@@ -483,3 +483,27 @@ def test_verifying_timing_and_profiling_one_candidate_share_one_build():
     other_task = {"task_source": "another task", "candidate_source": "cand"}
     assert sandbox._code_digest(verify) == sandbox._code_digest(bench)
     assert sandbox._code_digest(verify) != sandbox._code_digest(other_task)
+
+
+def test_a_box_where_the_cuda_driver_cannot_start_fails_its_probe_with_the_reason(monkeypatch):
+    """On a host with NVIDIA devices the probe also starts the CUDA driver inside the view: a box in
+    which every GPU evaluation would fail is refused up front, saying why."""
+    import ctypes
+
+    class Driver:
+        def __init__(self, status: int) -> None:
+            self.status = status
+
+        def cuInit(self, flags: int) -> int:
+            return self.status
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert "does not load" in sandbox.cuda_problems()[0]
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(999))
+    assert "cuInit: 999" in sandbox.cuda_problems()[0]
+    for fine in sandbox.CUDA_FINE:  # success, or no device visible to this worker
+        monkeypatch.setattr(ctypes, "CDLL", lambda name, fine=fine: Driver(fine))
+        assert sandbox.cuda_problems() == []
