@@ -48,7 +48,7 @@ def test_package_and_unpack(sources):
         assert unpack(source) == (source, False)
         op = custom_op_name(packaged)
         assert op and op.startswith("kernelcrew_") and op.endswith("::forward")
-    assert launched_kernels(sources["groupnorm"]) == ("row_reduction_kernel",)
+    assert launched_kernels(sources["groupnorm"]) == ("group_norm_kernel",)
     assert custom_op_name(package(sources["pointwise"])) != custom_op_name(package(sources["groupnorm"]))
 
 

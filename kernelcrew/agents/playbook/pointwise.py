@@ -330,8 +330,11 @@ class _Lowering:
         if isinstance(first, dict) and "ref" in first:  # later readers of the mutated value see this one
             self.values[first["ref"]] = self.values[name]
 
-    def bind(self, node: dict[str, Any], op: str) -> dict[str, Any]:
-        sig = SIGNATURES[op]
+    def bind(
+        self, node: dict[str, Any], op: str, signatures: dict[str, tuple[tuple[str, Any], ...]] = SIGNATURES
+    ) -> dict[str, Any]:
+        """The node's arguments by name, with defaults, against ``signatures[op]``."""
+        sig = signatures[op]
         names = [n for n, _ in sig]
         args, kwargs = list(node["args"]), dict(node["kwargs"])
         if len(args) > len(sig):

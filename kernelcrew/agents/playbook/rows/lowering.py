@@ -176,23 +176,11 @@ class _RowLowering(_Lowering):
         super().visit(node)
 
     def bind_row(self, node: dict[str, Any], op: str) -> dict[str, Any]:
-        sig = SIGNATURES[op]
-        names = [n for n, _ in sig]
-        args, kwargs = list(node["args"]), dict(node["kwargs"])
+        args = list(node["args"])
         if op in ("softmax", "log_softmax") and len(args) == 3 and isinstance(args[2], dict):
-            kwargs["dtype"] = args.pop()  # torch.softmax(x, dim, dtype): no _stacklevel
-        if len(args) > len(sig):
-            raise Unsupported(f"{op} ({node['name']}): {len(args)} positional arguments")
-        bound = dict(zip(names, args, strict=False))
-        for key, value in kwargs.items():
-            if key not in names:
-                raise Unsupported(f"{op} ({node['name']}): argument {key!r} is not supported")
-            bound[key] = value
-        for key, default in sig:
-            if key not in bound:
-                if default is _REQUIRED:
-                    raise Unsupported(f"{op} ({node['name']}): missing argument {key!r}")
-                bound[key] = default
+            # torch.softmax(x, dim, dtype): no _stacklevel
+            node = {**node, "args": args[:2], "kwargs": {**node["kwargs"], "dtype": args[2]}}
+        bound = self.bind(node, op, SIGNATURES)
         if bound.get("out") is not None:
             raise Unsupported(f"{op} ({node['name']}) with out=")
         return bound
