@@ -44,7 +44,10 @@ class Settings(BaseSettings):
     sandbox_timeout_s: float = 300.0
     sandbox_cpu_s: int = 1800
     sandbox_memory_mb: int = Field(
-        32768, description="Memory cgroup limit of the child (all its processes) and its RLIMIT_DATA."
+        0,
+        ge=0,
+        description="Memory cgroup limit of the child (all its processes) and its RLIMIT_DATA; "
+        "0: 80 % of this machine's memory, so a task holds what the machine can.",
     )
     sandbox_max_procs: int = Field(512, description="pids cgroup limit / RLIMIT_NPROC of the child.")
     sandbox_max_open_files: int = 1024

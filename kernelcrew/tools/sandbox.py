@@ -165,6 +165,24 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
 
+#: The share of the machine's memory one child may use when no limit is configured.
+MACHINE_MEMORY_SHARE = 0.8
+
+
+def machine_memory_limit(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """A child's default memory limit: :data:`MACHINE_MEMORY_SHARE` of the machine's memory (at least
+    4 GiB; 32 GiB where the machine's memory cannot be read), so inputs of many GB fit where the
+    machine can hold them."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+                return max(4 * 1024**3, int(total * MACHINE_MEMORY_SHARE))
+    except (OSError, ValueError, IndexError):
+        pass
+    return 32 * 1024**3
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """Limits of one child process."""
@@ -183,7 +201,7 @@ class SandboxLimits:
         values = dict(
             wall_s=s.sandbox_timeout_s,
             cpu_s=s.sandbox_cpu_s,
-            memory_bytes=s.sandbox_memory_mb * 1024**2,
+            memory_bytes=s.sandbox_memory_mb * 1024**2 or machine_memory_limit(),
             max_procs=s.sandbox_max_procs,
             max_open_files=s.sandbox_max_open_files,
             max_output_bytes=s.sandbox_max_output_bytes,

@@ -268,3 +268,19 @@ def test_auto_uses_the_tree_only_where_torch_has_no_bytecode(monkeypatch, tmp_pa
         cached.parent.mkdir(exist_ok=True)
         cached.write_bytes(b"")
     assert not pycache.wanted(auto) and pycache.wanted(Settings(bytecode_cache="always"))
+
+
+def test_the_default_memory_limit_is_sized_from_the_machine(tmp_path, monkeypatch):
+    """No configured limit: 80 % of the machine's memory, so a task's multi-GB inputs fit where the
+    machine can hold them; a configured limit wins."""
+    from kernelcrew.config import Settings
+    from kernelcrew.tools.sandbox import SandboxLimits, machine_memory_limit
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\n")
+    assert machine_memory_limit(meminfo) == int(131072000 * 1024 * 0.8)
+    meminfo.write_text("MemTotal:       1024 kB\n")
+    assert machine_memory_limit(meminfo) == 4 * 1024**3
+    assert machine_memory_limit(tmp_path / "missing") == 32 * 1024**3
+    assert SandboxLimits.from_settings(Settings(sandbox_memory_mb=0)).memory_bytes == machine_memory_limit()
+    assert SandboxLimits.from_settings(Settings(sandbox_memory_mb=2048)).memory_bytes == 2048 * 1024**2
