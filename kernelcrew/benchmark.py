@@ -10,7 +10,7 @@ A suite may take longer than one batch job or CI step may run, so the run is sha
 Each task runs the whole crew under its own time budget, with its run folder under ``OUT/runs``.
 The table: ``{"device", "arch", "versions", "rows":
 [{"task", "eager_ms", "compile_ms", "best_ms", "speedup_eager", "speedup_compile", "sol_fraction",
-"strategy", "source_kind", "verified", "wall_s"}]}``, plus the status and stop reason per row.
+"strategy", "params", "source_kind", "verified", "wall_s"}]}``, plus the status and stop reason per row.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def row_from_report(task: str, report: Report | None, wall_s: float) -> dict[str
         "speedup_compile": best.speedup_compile if best else None,
         "sol_fraction": fractions.get("best"),
         "strategy": best.strategy if best else None,
+        "params": best.params if best else None,
         "source_kind": best.kind if best else None,
         "verified": best is not None,
         "significant": best.significant if best else None,

@@ -25,6 +25,7 @@ ROW_KEYS = {
     "speedup_compile",
     "sol_fraction",
     "strategy",
+    "params",
     "source_kind",
     "verified",
     "wall_s",
@@ -50,6 +51,7 @@ def test_bench_writes_rows_and_resumes(tmp_path):
         "library",
         "compiler",
     )
+    assert isinstance(rows["pointwise"]["params"], dict)  # the answer can be generated again from its row
     assert rows["broken"]["verified"] is False and "broken.py:2: syntax error" in rows["broken"]["error"]
     assert (out / "suite.md").read_text().count("| pointwise |") == 1
     again = runner.invoke(app, [*args, "--resume"])
