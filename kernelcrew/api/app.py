@@ -12,11 +12,14 @@ from collections import defaultdict, deque
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import func, select, text
 
+from kernelcrew.api.inputs import bounded_validation_error, reject_nul
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.knowledge_base.db import get_engine, transaction
 from kernelcrew.service import jobs
@@ -71,7 +74,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     engine = get_engine(s)
     limiter = RateLimiter(s.api_rate_per_minute)
     bearer = HTTPBearer(auto_error=False)
-    app = FastAPI(title="kernelcrew", version="1", docs_url="/docs", openapi_url="/openapi.json")
+    app = FastAPIOffline(  # /docs and /redoc with their assets served from here, not from a CDN
+        title="kernelcrew",
+        version="1",
+        docs_url="/docs",
+        redoc_url="/redoc",
+        static_url="/docs/assets",
+        openapi_url="/openapi.json",
+        dependencies=[Depends(reject_nul)],
+    )
+    app.add_exception_handler(RequestValidationError, bounded_validation_error)  # type: ignore[arg-type]
 
     def principal(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
         if creds is None or not creds.credentials:

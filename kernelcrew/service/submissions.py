@@ -10,9 +10,10 @@ from typing import Any, Literal
 
 from fastapi import HTTPException
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationInfo, field_validator
 from sqlalchemy import func, select
 
+from kernelcrew.agents.llm import BACKENDS
 from kernelcrew.config import Settings
 from kernelcrew.service import jobs
 from kernelcrew.service.auth import Principal
@@ -21,24 +22,75 @@ from kernelcrew.tools.taskcheck import validate_in_sandbox
 
 
 class JobOptions(BaseModel):
-    """What a job may ask for; anything else is refused (422) rather than failing the job later."""
+    """What a job may ask for; anything else is refused (422) rather than failing the job later.
+
+    The allowed values are those the orchestrator's consumers accept: the LLM backends, the
+    ``torch.compile`` modes of the timing tool, and a GPU request the queue routing can serve on
+    the chosen device. Whether a worker is online for it is decided when the job runs.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: str = "auto"
-    model: str = ""
+    backend: str = Field("auto", max_length=64, description=f"auto or one of {', '.join(BACKENDS)}.")
+    model: str = Field("", max_length=200)
     max_iters: int = Field(6, ge=1, le=200)
     time_budget_s: float = Field(900.0, gt=0, le=7 * 86400)
     precision: Literal["strict", "relaxed"] = "strict"
     device: Literal["cuda", "cpu"] = "cuda"
-    gpu: str | None = Field(None, description="A GPU model (h100-sxm) or architecture (sm_90).")
+    gpu: str | None = Field(
+        None,
+        max_length=128,
+        description="A GPU model (h100-sxm), an architecture (sm_90), any, or cpu (with device cpu).",
+    )
     local_only: bool = False
-    compile_modes: str = "auto"
+    compile_modes: str = Field(
+        "auto", max_length=200, description="auto, none, or a comma list of torch.compile modes."
+    )
     quick: bool = False
     seed: int | None = None
     timing: bool = True
     use_kb: bool = False
     webhook_url: HttpUrl | None = None
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in ("auto", *BACKENDS):
+            raise ValueError(f"unknown backend {value!r}: choose auto or one of {', '.join(BACKENDS)}")
+        return value
+
+    @field_validator("model", "gpu")
+    @classmethod
+    def _no_nul(cls, value: str | None) -> str | None:
+        if value and "\x00" in value:
+            raise ValueError("contains a NUL byte (\\x00)")
+        return value
+
+    @field_validator("compile_modes")
+    @classmethod
+    def _known_compile_modes(cls, value: str) -> str:
+        from kernelcrew.tools.timing import parse_compile_modes
+
+        parse_compile_modes(value, "cuda")  # ValueError naming the unknown modes and the known ones
+        return value
+
+    @field_validator("gpu")
+    @classmethod
+    def _servable_gpu(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Refuse what queue routing refuses for any inventory: no GPU named, or one against the device."""
+        from kernelcrew.worker.routing import GpuRequest
+
+        device = info.data.get("device", "cuda")
+        want = GpuRequest.parse(value)
+        if want.kind == "model" and not want.value:
+            raise ValueError(
+                f"{value!r} names no GPU: use a model (h100-sxm), an architecture (sm_90), any, or cpu"
+            )
+        if want.kind == "cpu" and device == "cuda":
+            raise ValueError("'cpu' asks for the CPU but device is 'cuda': set device 'cpu' or name a GPU")
+        if device == "cpu" and want.kind in ("model", "arch"):
+            raise ValueError(f"{want} is a GPU but device is 'cpu': set device 'cuda' or leave gpu empty")
+        return value
 
 
 def read_source(raw: bytes | str | None, what: str, kind: str, max_bytes: int) -> str | None:
@@ -126,7 +178,12 @@ def enqueue_job(
 
 
 def add_message(session: Any, job: jobs.Job, text: str, user: str) -> None:
-    """A chat message: a running job takes it at its next plan; an ended optimize job is queued again."""
+    """A chat message: a running job takes it at its next plan; an ended optimize job is queued again.
+
+    422 for a message with a NUL byte (no text column stores one), before anything is written.
+    """
+    if "\x00" in text:
+        raise HTTPException(422, "the message contains a NUL byte (\\x00)")
     session.add(jobs.JobMessage(job_id=job.id, text=text, created_at=jobs.now()))
     jobs.add_event(session, job.id, "message", {"text": text, "user": user})
     if job.status in ("succeeded", "failed") and job.mode == "optimize":

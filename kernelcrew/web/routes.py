@@ -482,7 +482,7 @@ def download(body: str, filename: str, media_type: str) -> Response:
     )
 
 
-API_PATHS = ("/api/", "/docs", "/openapi.json", "/healthz", "/readyz")
+API_PATHS = ("/api/", "/docs", "/redoc", "/openapi.json", "/healthz", "/readyz")
 
 
 def install_error_pages(app: Any) -> None:
