@@ -78,7 +78,7 @@ class JobOptions(BaseModel):
     @classmethod
     def _servable_gpu(cls, value: str | None, info: ValidationInfo) -> str | None:
         """Refuse what queue routing refuses for any inventory: no GPU named, or one against the device."""
-        from kernelcrew.worker.routing import GpuRequest
+        from kernelcrew.tools.hardware import GpuRequest
 
         device = info.data.get("device", "cuda")
         want = GpuRequest.parse(value)

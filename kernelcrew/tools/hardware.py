@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -304,3 +304,36 @@ def queue_names(info: HardwareInfo) -> list[str]:
     if info.device == "cpu":
         return [CPU_QUEUE]
     return [f"{GPU_QUEUE_PREFIX}{info.model}", f"{GPU_QUEUE_PREFIX}{info.arch}"]
+
+
+_MODEL_SLUG = re.compile(r"[a-z0-9][a-z0-9-]*")
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """What a job asks for: any GPU, a model (``h100-sxm``), an architecture (``sm_90``) or the CPU."""
+
+    kind: Literal["any", "model", "arch", "cpu"]
+    value: str | None = None
+
+    @classmethod
+    def parse(cls, gpu: str | None) -> GpuRequest:
+        """Read ``None``/``""``/``"any"``, a model slug, a device name (``NVIDIA H100 80GB HBM3``), an
+        architecture (``sm_90``, ``SM90``), ``cpu``, or a queue name (``gpu.h100-sxm``)."""
+        if gpu is None or not gpu.strip() or gpu.strip().lower() == "any":
+            return cls("any")
+        text = gpu.strip()
+        if text.lower().startswith(GPU_QUEUE_PREFIX):
+            text = text[len(GPU_QUEUE_PREFIX) :]
+        low = text.lower()
+        if low == CPU_QUEUE:
+            return cls("cpu", CPU_QUEUE)
+        arch = re.fullmatch(r"sm_?(\d+[a-z]?)", low)
+        if arch:
+            return cls("arch", f"sm_{arch.group(1)}")
+        if _MODEL_SLUG.fullmatch(low):
+            return cls("model", low)
+        return cls("model", model_slug(text))
+
+    def __str__(self) -> str:
+        return self.value or "any GPU"

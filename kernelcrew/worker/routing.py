@@ -12,15 +12,13 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import NoReturn
 
-from kernelcrew.tools.hardware import CPU_QUEUE, GPU_QUEUE_PREFIX, arch_of_model, model_slug
+from kernelcrew.tools.hardware import CPU_QUEUE, GPU_QUEUE_PREFIX, GpuRequest, arch_of_model
 from kernelcrew.worker.errors import NoWorkerOnline
 from kernelcrew.worker.inventory import WorkerInfo
 
 _ARCH = re.compile(r"sm_\d+[a-z]?")
-_SLUG = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
 def model_queue(model: str) -> str:
@@ -29,36 +27,6 @@ def model_queue(model: str) -> str:
 
 def arch_queue(arch: str) -> str:
     return f"{GPU_QUEUE_PREFIX}{arch}"
-
-
-@dataclass(frozen=True)
-class GpuRequest:
-    """What a job asks for: any GPU, a model (``h100-sxm``), an architecture (``sm_90``) or the CPU."""
-
-    kind: Literal["any", "model", "arch", "cpu"]
-    value: str | None = None
-
-    @classmethod
-    def parse(cls, gpu: str | None) -> GpuRequest:
-        """Read ``None``/``""``/``"any"``, a model slug, a device name (``NVIDIA H100 80GB HBM3``), an
-        architecture (``sm_90``, ``SM90``), ``cpu``, or a queue name (``gpu.h100-sxm``)."""
-        if gpu is None or not gpu.strip() or gpu.strip().lower() == "any":
-            return cls("any")
-        text = gpu.strip()
-        if text.lower().startswith(GPU_QUEUE_PREFIX):
-            text = text[len(GPU_QUEUE_PREFIX) :]
-        low = text.lower()
-        if low == CPU_QUEUE:
-            return cls("cpu", CPU_QUEUE)
-        arch = re.fullmatch(r"sm_?(\d+[a-z]?)", low)
-        if arch:
-            return cls("arch", f"sm_{arch.group(1)}")
-        if _SLUG.fullmatch(low):
-            return cls("model", low)
-        return cls("model", model_slug(text))
-
-    def __str__(self) -> str:
-        return self.value or "any GPU"
 
 
 def served_queues(workers: Iterable[WorkerInfo]) -> Counter[str]:

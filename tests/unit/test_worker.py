@@ -10,10 +10,11 @@ from kernelcrew.config import Settings
 from kernelcrew.records import BenchmarkResult, ProfileRequest, ProfileResult, Verdict
 from kernelcrew.task import TaskError
 from kernelcrew.tools.executor import ExecutorError, LocalExecutor
+from kernelcrew.tools.hardware import GpuRequest
 from kernelcrew.worker.errors import NoWorkerOnline, WorkerError, WorkerLost, WorkerTimeout
 from kernelcrew.worker.executor import _failure, _unwrap
 from kernelcrew.worker.inventory import INFO_ENV, WorkerInfo, probe_ncu
-from kernelcrew.worker.routing import GpuRequest, pick_queue
+from kernelcrew.worker.routing import pick_queue
 from kernelcrew.worker.supervisor import WorkerSpec, backoff_s, plan_workers
 from kernelcrew.worker.tasks import TaskName, check_request
 
