@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from kernelcrew.config import Settings, get_settings
+from kernelcrew.config import Settings, get_settings, openai_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +380,9 @@ class _RetryingClient:
     model: str
     _sdk_name: str
     _default_host: str
+    _default_url: str
+    """Where requests go without a base_url, given to the SDK so its own environment variables
+    (``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL``) cannot send the key elsewhere."""
 
     def __init__(
         self,
@@ -497,11 +500,12 @@ class OpenAIChat(_RetryingClient):
 
     _sdk_name = "openai"
     _default_host = "api.openai.com"
+    _default_url = "https://api.openai.com/v1"
 
     def _make_client(self) -> Any:
         return self._sdk.OpenAI(
             api_key=self._secret or "EMPTY",
-            base_url=self.base_url or None,
+            base_url=self.base_url or self._default_url,
             timeout=self.timeout_s,
             max_retries=0,
         )
@@ -551,10 +555,14 @@ class AnthropicChat(_RetryingClient):
 
     _sdk_name = "anthropic"
     _default_host = "api.anthropic.com"
+    _default_url = "https://api.anthropic.com"
 
     def _make_client(self) -> Any:
         return self._sdk.Anthropic(
-            api_key=self._secret, base_url=self.base_url or None, timeout=self.timeout_s, max_retries=0
+            api_key=self._secret,
+            base_url=self.base_url or self._default_url,
+            timeout=self.timeout_s,
+            max_retries=0,
         )
 
     def complete(
@@ -654,8 +662,10 @@ def resolve_chat_model(
     ``OPENAI_API_KEY`` (or ``KERNELCREW_LLM_BASE_URL``, an OpenAI-compatible server) is set, anthropic
     when ``ANTHROPIC_API_KEY`` is, else the playbook. The model is ``model``, else
     ``KERNELCREW_MODEL``, else gpt-5.1 (openai) / claude-sonnet-4-6 (anthropic). An openai backend
-    with a base_url needs no key. Raises LLMError when the chosen backend lacks its key or file, and
-    ValueError for an unknown backend.
+    with a base_url needs no key; it sends ``KERNELCREW_LLM_API_KEY`` there, never the OpenAI key,
+    and the anthropic backend goes only to ``KERNELCREW_ANTHROPIC_BASE_URL`` or Anthropic's API.
+    Raises LLMError when the chosen backend lacks its key or file, and ValueError for an unknown
+    backend.
     """
     settings = settings or get_settings()
     name = (settings.llm if backend is None else backend).strip().lower()
@@ -673,22 +683,23 @@ def resolve_chat_model(
             )
         return ReplayChat(settings.replay_file, model=chosen)
     common: dict[str, Any] = {
-        "base_url": settings.llm_base_url,
         "timeout_s": settings.llm_timeout_s,
         "max_retries": settings.llm_max_retries,
         "price_in": settings.llm_price_in,
         "price_out": settings.llm_price_out,
     }
+    # Each key goes only to its own provider's endpoint: KERNELCREW_LLM_BASE_URL is the openai
+    # backend's server (with KERNELCREW_LLM_API_KEY), KERNELCREW_ANTHROPIC_BASE_URL anthropic's.
     if name == "openai":
-        key = settings.openai_api_key.get_secret_value()
-        if not key and not settings.llm_base_url:
+        base_url, key = openai_endpoint(settings)
+        if not key and not base_url:
             raise LLMError(
                 "the openai backend needs an API key: set OPENAI_API_KEY (or KERNELCREW_OPENAI_API_KEY), "
                 "or KERNELCREW_LLM_BASE_URL for an OpenAI-compatible server",
                 provider="openai",
                 model=chosen,
             )
-        return OpenAIChat(chosen, api_key=key, **common)
+        return OpenAIChat(chosen, api_key=key, base_url=base_url, **common)
     key = settings.anthropic_api_key.get_secret_value()
     if not key:
         raise LLMError(
@@ -696,7 +707,7 @@ def resolve_chat_model(
             provider="anthropic",
             model=chosen,
         )
-    return AnthropicChat(chosen, api_key=key, **common)
+    return AnthropicChat(chosen, api_key=key, base_url=settings.anthropic_base_url.strip(), **common)
 
 
 # --- Reading replies ----------------------------------------------------------------------------------
