@@ -118,7 +118,9 @@ class ChatModel(Protocol):
 class LLMError(RuntimeError):
     """A model call failed: a rejected request, or retries exhausted (``retryable`` is then True).
 
-    The message names the provider, the model and the reason; it never contains an API key.
+    The message names the provider, the model and the reason; it never contains an API key. A reply
+    that came but is unusable (empty, refused, cut at max_tokens) keeps its ``completion``, so its
+    tokens are metered like any other.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class LLMError(RuntimeError):
         model: str = "",
         status_code: int | None = None,
         attempts: int = 0,
+        completion: Completion | None = None,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
@@ -137,6 +140,7 @@ class LLMError(RuntimeError):
         self.model = model
         self.status_code = status_code
         self.attempts = attempts
+        self.completion = completion
 
     def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {
@@ -145,6 +149,7 @@ class LLMError(RuntimeError):
             "model": self.model,
             "status_code": self.status_code,
             "attempts": self.attempts,
+            "completion": self.completion,
         }
         return (_rebuild_llm_error, (str(self), kwargs))
 
@@ -456,7 +461,8 @@ class _RetryingClient:
                     attempts=attempt,
                 ) from None
 
-    def _empty_reply(self, stop_reason: str, max_tokens: int, attempts: int, refusal: str = "") -> LLMError:
+    def _empty_reply(self, reply: Completion, max_tokens: int, refusal: str = "") -> LLMError:
+        stop_reason = reply.stop_reason
         if refusal:
             why = f"the model refused: {refusal[:300]}"
         elif stop_reason in ("length", "max_tokens"):
@@ -470,7 +476,8 @@ class _RetryingClient:
             f"{self.provider} ({self.model}): {why}",
             provider=self.provider,
             model=self.model,
-            attempts=attempts,
+            attempts=reply.attempts,
+            completion=reply,
         )
 
     def __repr__(self) -> str:
@@ -528,19 +535,17 @@ class OpenAIChat(_RetryingClient):
         """One chat completion, retried on transient failures."""
         params = self._params(messages, temperature, max_tokens)
         response, attempts = self._call(lambda: self._client.chat.completions.create(**params))
-        if not response.choices:
-            raise self._empty_reply("", max_tokens, attempts)
-        choice = response.choices[0]
-        text = choice.message.content or ""
-        stop = choice.finish_reason or ""
-        if not text.strip():
-            raise self._empty_reply(
-                stop, max_tokens, attempts, getattr(choice.message, "refusal", None) or ""
-            )
+        choice = response.choices[0] if response.choices else None
+        text = (choice.message.content or "") if choice else ""
+        stop = (choice.finish_reason or "") if choice else ""
         usage = response.usage
         n_in = (usage.prompt_tokens or 0) if usage else 0
         n_out = (usage.completion_tokens or 0) if usage else 0
-        return self._completion(text, n_in, n_out, response.model, attempts, stop)
+        reply = self._completion(text, n_in, n_out, response.model, attempts, stop)
+        if not text.strip():
+            refusal = getattr(choice.message, "refusal", None) if choice else None
+            raise self._empty_reply(reply, max_tokens, refusal or "")
+        return reply
 
 
 class AnthropicChat(_RetryingClient):
@@ -583,12 +588,13 @@ class AnthropicChat(_RetryingClient):
         response, attempts = self._call(lambda: self._client.messages.create(**params))
         text = "".join(b.text for b in response.content if getattr(b, "type", "") == "text")
         stop = response.stop_reason or ""
-        if not text.strip():
-            raise self._empty_reply(stop, max_tokens, attempts, "refused" if stop == "refusal" else "")
         usage = response.usage
         n_in = (usage.input_tokens or 0) if usage else 0
         n_out = (usage.output_tokens or 0) if usage else 0
-        return self._completion(text, n_in, n_out, response.model, attempts, stop)
+        reply = self._completion(text, n_in, n_out, response.model, attempts, stop)
+        if not text.strip():
+            raise self._empty_reply(reply, max_tokens, "refused" if stop == "refusal" else "")
+        return reply
 
 
 class ReplayChat:

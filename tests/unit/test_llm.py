@@ -291,6 +291,26 @@ def test_openai_empty_reply_cut_by_max_tokens(stub: Stub) -> None:
         make_openai(stub, Sleeps()).complete(CHAT, max_tokens=50)
 
 
+def test_unusable_replies_keep_their_tokens_for_the_meter(stub: Stub) -> None:
+    stub.queue(openai_ok("", finish="length", prompt=700, completion=50))
+    with pytest.raises(LLMError, match="max_tokens=50") as info:
+        make_openai(stub, Sleeps()).complete(CHAT, max_tokens=50)
+    cut = info.value.completion
+    assert cut is not None and (cut.usage.input_tokens, cut.usage.output_tokens) == (700, 50)
+    assert cut.stop_reason == "length" and cut.usage.cost_usd == pytest.approx((700 * 2.0 + 50 * 8.0) / 1e6)
+    assert pickle.loads(pickle.dumps(info.value)).completion == cut
+
+    refusal = anthropic_ok("")
+    refusal.body = {**refusal.body, "content": [], "stop_reason": "refusal"}
+    stub.replies.clear()
+    stub.queue(refusal)
+    with pytest.raises(LLMError, match="refused") as info:
+        make_anthropic(stub, Sleeps()).complete(CHAT)
+    meter = UsageMeter()
+    meter.add(info.value.completion, "coder")
+    assert (meter.calls, meter.input_tokens, meter.output_tokens) == (1, 2000, 1000)
+
+
 def test_unknown_model_has_unknown_cost_unless_priced(stub: Stub) -> None:
     stub.queue(openai_ok("x", model="Qwen/Qwen3-Coder-30B"))
     assert make_openai(stub, Sleeps(), model="Qwen/Qwen3-Coder-30B").complete(CHAT).usage.cost_usd is None
