@@ -132,7 +132,15 @@ class Settings(BaseSettings):
     llm: str = Field("", description='Backend: "", "playbook", "openai", "anthropic" or "replay".')
     model: str = Field("", description="Model name; empty means the backend's default.")
     llm_base_url: str = Field(
-        "", description="OpenAI-compatible server (vLLM, Ollama, SGLang) or a provider gateway."
+        "", description="OpenAI-compatible server (vLLM, Ollama, SGLang) or a gateway for the openai backend."
+    )
+    llm_api_key: SecretStr = Field(
+        SecretStr(""), description="Key of the server at llm_base_url; OPENAI_API_KEY is never sent there."
+    )
+    anthropic_base_url: str = Field(
+        "",
+        validation_alias=AliasChoices("KERNELCREW_ANTHROPIC_BASE_URL", "ANTHROPIC_BASE_URL"),
+        description="Endpoint of the anthropic backend (a gateway); empty: api.anthropic.com.",
     )
     llm_timeout_s: float = Field(120.0, gt=0, description="Timeout of one LLM request.")
     llm_max_retries: int = Field(4, ge=0, description="Retries on 429, 5xx, timeouts, connection errors.")
@@ -197,3 +205,14 @@ def resolve_database_url(settings: Settings) -> str:
 def get_settings() -> Settings:
     """The process-wide settings, built on first use (never at import)."""
     return Settings()
+
+
+def openai_endpoint(settings: Settings) -> tuple[str, str]:
+    """(base URL, key) for OpenAI-style requests: the server at ``llm_base_url`` with ``llm_api_key``,
+    else OpenAI's API with ``openai_api_key``: the OpenAI key goes to no other host."""
+    from urllib.parse import urlparse
+
+    base_url = settings.llm_base_url.strip()
+    if base_url and urlparse(base_url).hostname != "api.openai.com":
+        return base_url, settings.llm_api_key.get_secret_value()
+    return base_url, settings.openai_api_key.get_secret_value()

@@ -55,8 +55,9 @@ def code(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             )
         }
     else:
-        source, problem = _write_with_llm(state, ctx, repairing)
-        if source is None:
+        source, problem, unusable = _write_with_llm(state, ctx, repairing)
+        base["unusable_replies"] = unusable
+        if source is None:  # decide records the step, the unusable replies and the usage
             return {"draft": Candidate(**base, source="", verdict="fail", stage="code", message=problem)}
     ctx.emit(
         "code", candidate=cand_id, strategy=step.strategy, repair=repairing, lines=source.count("\n") + 1
@@ -67,9 +68,10 @@ def code(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     return update
 
 
-def _write_with_llm(state: CrewState, ctx: CrewContext, repairing: bool) -> tuple[str | None, str]:
-    from kernelcrew.agents.llm import LLMError, extract_code
-    from kernelcrew.agents.prompts import render
+def _write_with_llm(state: CrewState, ctx: CrewContext, repairing: bool) -> tuple[str | None, str, list[str]]:
+    """(source or None, why not, why each unusable reply could not be used)."""
+    from kernelcrew.agents.llm import LLMError, Message, extract_code
+    from kernelcrew.agents.prompts import CODER_RETRY, render
 
     step = state.plan
     assert step is not None
@@ -94,13 +96,30 @@ def _write_with_llm(state: CrewState, ctx: CrewContext, repairing: bool) -> tupl
         precision=state.options.precision,
         device=state.options.device,
     )
-    try:
-        completion = ctx.chat.complete(messages, max_tokens=8192)
-    except LLMError as exc:
-        return None, f"the coder's model failed: {exc}"
-    if ctx.meter is not None:
-        ctx.meter.add(completion, "coder")
-    try:
-        return extract_code(completion.text), ""
-    except ValueError as exc:
-        return None, f"the coder's answer had no candidate source: {exc}"
+    unusable: list[str] = []
+    for attempt in range(2):  # an unusable reply is metered, asked once more, then a failed step
+        try:
+            completion = ctx.chat.complete(messages, max_tokens=8192)
+        except LLMError as exc:
+            if exc.completion is None:  # no reply at all: nothing to meter or re-ask
+                return None, f"the coder's model failed: {exc}", unusable
+            completion, problem = exc.completion, str(exc)
+        else:
+            problem = ""
+        if ctx.meter is not None:
+            ctx.meter.add(completion, "coder")
+        if not problem:
+            try:
+                return extract_code(completion.text), "", unusable
+            except ValueError as exc:
+                problem = str(exc)
+                if completion.stop_reason in ("length", "max_tokens"):
+                    problem += f" (the reply was cut at max_tokens: stop reason {completion.stop_reason})"
+        unusable.append(problem[:500])
+        ctx.emit("invalid_code", attempt=attempt + 1, message=problem[:300])
+        messages = [
+            *messages,
+            Message("assistant", completion.text or "(empty reply)"),
+            Message("user", CODER_RETRY.format(problem=problem[:500])),
+        ]
+    return None, f"the coder's reply was unusable twice: {unusable[-1]}", unusable

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from kernelcrew.config import Settings, get_settings
+from kernelcrew.config import Settings, get_settings, openai_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,9 @@ class ChatModel(Protocol):
 class LLMError(RuntimeError):
     """A model call failed: a rejected request, or retries exhausted (``retryable`` is then True).
 
-    The message names the provider, the model and the reason; it never contains an API key.
+    The message names the provider, the model and the reason; it never contains an API key. A reply
+    that came but is unusable (empty, refused, cut at max_tokens) keeps its ``completion``, so its
+    tokens are metered like any other.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class LLMError(RuntimeError):
         model: str = "",
         status_code: int | None = None,
         attempts: int = 0,
+        completion: Completion | None = None,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
@@ -137,6 +140,7 @@ class LLMError(RuntimeError):
         self.model = model
         self.status_code = status_code
         self.attempts = attempts
+        self.completion = completion
 
     def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {
@@ -145,6 +149,7 @@ class LLMError(RuntimeError):
             "model": self.model,
             "status_code": self.status_code,
             "attempts": self.attempts,
+            "completion": self.completion,
         }
         return (_rebuild_llm_error, (str(self), kwargs))
 
@@ -380,6 +385,9 @@ class _RetryingClient:
     model: str
     _sdk_name: str
     _default_host: str
+    _default_url: str
+    """Where requests go without a base_url, given to the SDK so its own environment variables
+    (``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL``) cannot send the key elsewhere."""
 
     def __init__(
         self,
@@ -453,7 +461,8 @@ class _RetryingClient:
                     attempts=attempt,
                 ) from None
 
-    def _empty_reply(self, stop_reason: str, max_tokens: int, attempts: int, refusal: str = "") -> LLMError:
+    def _empty_reply(self, reply: Completion, max_tokens: int, refusal: str = "") -> LLMError:
+        stop_reason = reply.stop_reason
         if refusal:
             why = f"the model refused: {refusal[:300]}"
         elif stop_reason in ("length", "max_tokens"):
@@ -467,7 +476,8 @@ class _RetryingClient:
             f"{self.provider} ({self.model}): {why}",
             provider=self.provider,
             model=self.model,
-            attempts=attempts,
+            attempts=reply.attempts,
+            completion=reply,
         )
 
     def __repr__(self) -> str:
@@ -497,11 +507,12 @@ class OpenAIChat(_RetryingClient):
 
     _sdk_name = "openai"
     _default_host = "api.openai.com"
+    _default_url = "https://api.openai.com/v1"
 
     def _make_client(self) -> Any:
         return self._sdk.OpenAI(
             api_key=self._secret or "EMPTY",
-            base_url=self.base_url or None,
+            base_url=self.base_url or self._default_url,
             timeout=self.timeout_s,
             max_retries=0,
         )
@@ -524,19 +535,17 @@ class OpenAIChat(_RetryingClient):
         """One chat completion, retried on transient failures."""
         params = self._params(messages, temperature, max_tokens)
         response, attempts = self._call(lambda: self._client.chat.completions.create(**params))
-        if not response.choices:
-            raise self._empty_reply("", max_tokens, attempts)
-        choice = response.choices[0]
-        text = choice.message.content or ""
-        stop = choice.finish_reason or ""
-        if not text.strip():
-            raise self._empty_reply(
-                stop, max_tokens, attempts, getattr(choice.message, "refusal", None) or ""
-            )
+        choice = response.choices[0] if response.choices else None
+        text = (choice.message.content or "") if choice else ""
+        stop = (choice.finish_reason or "") if choice else ""
         usage = response.usage
         n_in = (usage.prompt_tokens or 0) if usage else 0
         n_out = (usage.completion_tokens or 0) if usage else 0
-        return self._completion(text, n_in, n_out, response.model, attempts, stop)
+        reply = self._completion(text, n_in, n_out, response.model, attempts, stop)
+        if not text.strip():
+            refusal = getattr(choice.message, "refusal", None) if choice else None
+            raise self._empty_reply(reply, max_tokens, refusal or "")
+        return reply
 
 
 class AnthropicChat(_RetryingClient):
@@ -551,10 +560,14 @@ class AnthropicChat(_RetryingClient):
 
     _sdk_name = "anthropic"
     _default_host = "api.anthropic.com"
+    _default_url = "https://api.anthropic.com"
 
     def _make_client(self) -> Any:
         return self._sdk.Anthropic(
-            api_key=self._secret, base_url=self.base_url or None, timeout=self.timeout_s, max_retries=0
+            api_key=self._secret,
+            base_url=self.base_url or self._default_url,
+            timeout=self.timeout_s,
+            max_retries=0,
         )
 
     def complete(
@@ -575,12 +588,13 @@ class AnthropicChat(_RetryingClient):
         response, attempts = self._call(lambda: self._client.messages.create(**params))
         text = "".join(b.text for b in response.content if getattr(b, "type", "") == "text")
         stop = response.stop_reason or ""
-        if not text.strip():
-            raise self._empty_reply(stop, max_tokens, attempts, "refused" if stop == "refusal" else "")
         usage = response.usage
         n_in = (usage.input_tokens or 0) if usage else 0
         n_out = (usage.output_tokens or 0) if usage else 0
-        return self._completion(text, n_in, n_out, response.model, attempts, stop)
+        reply = self._completion(text, n_in, n_out, response.model, attempts, stop)
+        if not text.strip():
+            raise self._empty_reply(reply, max_tokens, "refused" if stop == "refusal" else "")
+        return reply
 
 
 class ReplayChat:
@@ -654,8 +668,10 @@ def resolve_chat_model(
     ``OPENAI_API_KEY`` (or ``KERNELCREW_LLM_BASE_URL``, an OpenAI-compatible server) is set, anthropic
     when ``ANTHROPIC_API_KEY`` is, else the playbook. The model is ``model``, else
     ``KERNELCREW_MODEL``, else gpt-5.1 (openai) / claude-sonnet-4-6 (anthropic). An openai backend
-    with a base_url needs no key. Raises LLMError when the chosen backend lacks its key or file, and
-    ValueError for an unknown backend.
+    with a base_url needs no key; it sends ``KERNELCREW_LLM_API_KEY`` there, never the OpenAI key,
+    and the anthropic backend goes only to ``KERNELCREW_ANTHROPIC_BASE_URL`` or Anthropic's API.
+    Raises LLMError when the chosen backend lacks its key or file, and ValueError for an unknown
+    backend.
     """
     settings = settings or get_settings()
     name = (settings.llm if backend is None else backend).strip().lower()
@@ -673,22 +689,23 @@ def resolve_chat_model(
             )
         return ReplayChat(settings.replay_file, model=chosen)
     common: dict[str, Any] = {
-        "base_url": settings.llm_base_url,
         "timeout_s": settings.llm_timeout_s,
         "max_retries": settings.llm_max_retries,
         "price_in": settings.llm_price_in,
         "price_out": settings.llm_price_out,
     }
+    # Each key goes only to its own provider's endpoint: KERNELCREW_LLM_BASE_URL is the openai
+    # backend's server (with KERNELCREW_LLM_API_KEY), KERNELCREW_ANTHROPIC_BASE_URL anthropic's.
     if name == "openai":
-        key = settings.openai_api_key.get_secret_value()
-        if not key and not settings.llm_base_url:
+        base_url, key = openai_endpoint(settings)
+        if not key and not base_url:
             raise LLMError(
                 "the openai backend needs an API key: set OPENAI_API_KEY (or KERNELCREW_OPENAI_API_KEY), "
                 "or KERNELCREW_LLM_BASE_URL for an OpenAI-compatible server",
                 provider="openai",
                 model=chosen,
             )
-        return OpenAIChat(chosen, api_key=key, **common)
+        return OpenAIChat(chosen, api_key=key, base_url=base_url, **common)
     key = settings.anthropic_api_key.get_secret_value()
     if not key:
         raise LLMError(
@@ -696,7 +713,7 @@ def resolve_chat_model(
             provider="anthropic",
             model=chosen,
         )
-    return AnthropicChat(chosen, api_key=key, **common)
+    return AnthropicChat(chosen, api_key=key, base_url=settings.anthropic_base_url.strip(), **common)
 
 
 # --- Reading replies ----------------------------------------------------------------------------------

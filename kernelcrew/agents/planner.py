@@ -291,14 +291,19 @@ def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None,
         device=state.options.device,
     )
     for attempt in range(2):
+        unusable = ""
         try:
             completion = ctx.chat.complete(messages)
         except LLMError as exc:
-            ctx.emit("error", node="plan", message=str(exc))
-            return None, f"the planner's model failed: {exc}"
+            if exc.completion is None:  # no reply at all
+                ctx.emit("error", node="plan", message=str(exc))
+                return None, f"the planner's model failed: {exc}"
+            completion, unusable = exc.completion, str(exc)  # empty, refused or cut: as bad JSON
         if ctx.meter is not None:
             ctx.meter.add(completion, "planner")
         try:
+            if unusable:
+                raise ValueError(unusable)
             data = extract_json(completion.text)
             return PlanStep.model_validate({**data, "source": "llm"}), ""
         except (ValueError, ValidationError) as exc:
@@ -306,7 +311,7 @@ def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None,
             ctx.emit("invalid_plan", attempt=attempt + 1, message=str(exc)[:300])
             messages = [
                 *messages,
-                Message("assistant", completion.text),
+                Message("assistant", completion.text or "(empty reply)"),
                 Message(
                     "user",
                     f"That answer was not valid ({str(exc)[:500]}). Reply with one JSON object with the keys "

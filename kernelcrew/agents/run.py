@@ -63,7 +63,7 @@ def resolve_chat(backend: str, model: str, local_only: bool, settings: Settings)
     if chat is None:
         return None, "playbook", ""
     name = chat.provider
-    if local_only and not _is_local(settings.llm_base_url):
+    if local_only and not _is_local(getattr(chat, "base_url", "")):  # where this provider sends
         return (
             None,
             "playbook",

@@ -63,6 +63,8 @@ class Candidate:
     """Nsight Compute summary of one forward (GPU with ncu; the best candidates only)."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)
+    unusable_replies: list[str] = field(default_factory=list)
+    """Why the coder's model replies before this source could not be used (empty, refused, cut off)."""
 
     def summary(self) -> dict[str, Any]:
         """Everything but the source (what an iteration record keeps)."""

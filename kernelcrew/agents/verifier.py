@@ -10,6 +10,8 @@ from langgraph.runtime import Runtime
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.state import CrewState
 from kernelcrew.records import VerifyRequest
+from kernelcrew.task import TaskError, check_source
+from kernelcrew.tools.packaging import unpack
 
 
 def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
@@ -18,23 +20,41 @@ def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     draft = state.draft
     if draft is None:
         raise ValueError("verify reached without a draft")
-    verdict = ctx.executor.verify(
-        ctx.request(VerifyRequest, state, candidate_source=draft.source, candidate_path=f"{draft.id}.py")
-    )
-    checked = replace(
-        draft,
-        verdict=verdict.verdict,
-        stage=verdict.stage,
-        message=verdict.message,
-        kind=verdict.kind,
-        failures=verdict.failures,
-        flags=verdict.flags,
-    )
+    path = f"{draft.id}.py"
+    unusable = _unusable(draft.source, path)
+    if unusable is not None:
+        checked = replace(
+            draft, verdict="fail", stage=unusable["stage"], message=unusable["message"], failures=[unusable]
+        )
+    else:
+        verdict = ctx.executor.verify(
+            ctx.request(VerifyRequest, state, candidate_source=draft.source, candidate_path=path)
+        )
+        checked = replace(
+            draft,
+            verdict=verdict.verdict,
+            stage=verdict.stage,
+            message=verdict.message,
+            kind=verdict.kind,
+            failures=verdict.failures,
+            flags=verdict.flags,
+        )
     ctx.emit(
         "verify", candidate=draft.id, verdict=checked.verdict, stage=checked.stage, message=checked.message
     )
     repair = checked.verdict != "pass" and state.repairs < state.options.max_repairs and ctx.chat is not None
     return {"draft": checked, "repair": repair, "repairs": state.repairs + int(repair)}
+
+
+def _unusable(source: str, path: str) -> dict[str, Any] | None:
+    """A failure for a source that cannot be a candidate (a syntax error: stage ``build``; no
+    ``ModelNew`` class: ``input``), found without running it; None when it can go to the tools."""
+    try:
+        check_source(unpack(source, path)[0], "candidate", path)
+    except TaskError as exc:
+        stage = "build" if exc.message.startswith("syntax error") else "input"
+        return {"stage": stage, "message": str(exc), "details": {"line": exc.line}}
+    return None
 
 
 def route_after_verify(state: CrewState) -> Literal["profile", "code", "decide"]:

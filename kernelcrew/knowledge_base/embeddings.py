@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kernelcrew.config import Settings
+from kernelcrew.config import Settings, openai_endpoint
 
 MAX_TEXTS = 256
 """Texts embedded per query at most (the query and the best records by BM25)."""
@@ -42,7 +42,10 @@ class Embedder:
 
         self.model = model
         self.client = openai.OpenAI(
-            api_key=api_key or "EMPTY", base_url=base_url or None, timeout=timeout_s, max_retries=retries
+            api_key=api_key or "EMPTY",
+            base_url=base_url or "https://api.openai.com/v1",  # not the SDK's OPENAI_BASE_URL
+            timeout=timeout_s,
+            max_retries=retries,
         )
         self._cache: OrderedDict[str, list[float]] = OrderedDict()
         self._lock = threading.Lock()
@@ -54,8 +57,8 @@ class Embedder:
         model = settings.kb_embedding_model.strip()
         if not model:
             return None
-        key = settings.openai_api_key.get_secret_value()
-        config = (model, settings.llm_base_url.strip(), key)
+        base_url, key = openai_endpoint(settings)
+        config = (model, base_url, key)
         if config not in _SHARED:
             _SHARED[config] = cls(
                 model,

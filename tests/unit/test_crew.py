@@ -182,6 +182,55 @@ def test_replayed_llm_plan_is_reasked_and_a_failing_candidate_is_repaired(settin
     assert report["usage"]["calls"] == 5
 
 
+PLAN = {"strategy": "custom:fused_tanh", "rationale": "one pass", "expected_gain": 2.0, "params": {}}
+
+
+def _failure_in(coder_prompt: str) -> dict:
+    """The verifier's failure that a repair prompt carries."""
+    return json.loads(coder_prompt.split("if there was none):\n")[1].split("\n")[0])
+
+
+def test_a_candidate_that_does_not_parse_or_lacks_model_new_goes_to_repair(settings, tmp_path):
+    broken = GOOD.replace("class ModelNew", "def broken(:\n    pass\n\n\nclass ModelNew", 1)
+    line = broken.splitlines().index("def broken(:") + 1
+    nameless = GOOD.replace("ModelNew", "ModelOld")
+    chat = ReplayChat(
+        [
+            json.dumps(PLAN),
+            f"```python\n{broken}\n```",
+            f"```python\n{nameless}\n```",
+            f"```python\n{GOOD}\n```",
+        ]
+    )
+    report = report_json(run_optimize(request(max_iters=1, out=tmp_path / "o"), settings=settings, chat=chat))
+    step = report["iterations"][0]
+    assert step["verdict"] == "pass" and step["repairs"] == 2, step
+    syntax, missing = (_failure_in(sent[-1].content) for sent in chat.sent[2:])
+    assert syntax["stage"] == "build" and f"c1.py:{line}: syntax error" in syntax["message"]
+    assert syntax["failures"][0]["details"]["line"] == line
+    assert missing["stage"] == "input" and "ModelNew" in missing["message"]
+
+
+def test_a_run_that_crashed_on_an_unparsable_candidate_resumes_into_repair(settings, tmp_path, monkeypatch):
+    """A checkpoint left at verify with a broken draft (as an older kernelcrew crashed) resumes."""
+    from kernelcrew.agents import verifier
+    from kernelcrew.task import TaskError
+
+    monkeypatch.setattr(verifier, "_unusable", lambda source, path: None, raising=False)
+    first = ReplayChat([json.dumps(PLAN), "```python\nclass ModelNew(:\n    pass\n```"])
+    with pytest.raises(TaskError, match="syntax error"):
+        run_optimize(request(max_iters=1, out=tmp_path / "o"), settings=settings, chat=first, thread_id="r1")
+    monkeypatch.undo()
+
+    again = ReplayChat([f"```python\n{GOOD}\n```"])
+    report = report_json(
+        run_optimize(request(task=None, resume="r1", out=tmp_path / "o"), settings=settings, chat=again)
+    )
+    step = report["iterations"][0]
+    assert step["verdict"] == "pass" and step["repairs"] == 1, step
+    assert _failure_in(again.sent[0][-1].content)["stage"] == "build"
+
+
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     env = {**os.environ, "KERNELCREW_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"}
     cmd = [

@@ -291,6 +291,26 @@ def test_openai_empty_reply_cut_by_max_tokens(stub: Stub) -> None:
         make_openai(stub, Sleeps()).complete(CHAT, max_tokens=50)
 
 
+def test_unusable_replies_keep_their_tokens_for_the_meter(stub: Stub) -> None:
+    stub.queue(openai_ok("", finish="length", prompt=700, completion=50))
+    with pytest.raises(LLMError, match="max_tokens=50") as info:
+        make_openai(stub, Sleeps()).complete(CHAT, max_tokens=50)
+    cut = info.value.completion
+    assert cut is not None and (cut.usage.input_tokens, cut.usage.output_tokens) == (700, 50)
+    assert cut.stop_reason == "length" and cut.usage.cost_usd == pytest.approx((700 * 2.0 + 50 * 8.0) / 1e6)
+    assert pickle.loads(pickle.dumps(info.value)).completion == cut
+
+    refusal = anthropic_ok("")
+    refusal.body = {**refusal.body, "content": [], "stop_reason": "refusal"}
+    stub.replies.clear()
+    stub.queue(refusal)
+    with pytest.raises(LLMError, match="refused") as info:
+        make_anthropic(stub, Sleeps()).complete(CHAT)
+    meter = UsageMeter()
+    meter.add(info.value.completion, "coder")
+    assert (meter.calls, meter.input_tokens, meter.output_tokens) == (1, 2000, 1000)
+
+
 def test_unknown_model_has_unknown_cost_unless_priced(stub: Stub) -> None:
     stub.queue(openai_ok("x", model="Qwen/Qwen3-Coder-30B"))
     assert make_openai(stub, Sleeps(), model="Qwen/Qwen3-Coder-30B").complete(CHAT).usage.cost_usd is None
@@ -453,6 +473,7 @@ LLM_VARS = [
     "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL",
     "KERNELCREW_OPENAI_API_KEY", "KERNELCREW_ANTHROPIC_API_KEY", "KERNELCREW_LLM", "KERNELCREW_MODEL",
     "KERNELCREW_LLM_BASE_URL", "KERNELCREW_REPLAY_FILE", "KERNELCREW_LLM_PRICE_IN", "KERNELCREW_LLM_PRICE_OUT",
+    "KERNELCREW_LLM_API_KEY", "KERNELCREW_ANTHROPIC_BASE_URL",
 ]  # fmt: skip
 
 
@@ -519,6 +540,51 @@ def test_base_url_without_key_works(env, stub: Stub) -> None:
     out = chat.complete(CHAT)
     assert out.text == "local" and out.usage.cost_usd is None
     assert stub.requests[0].headers["authorization"] == "Bearer EMPTY"
+
+
+def test_anthropic_key_never_goes_to_the_openai_compatible_server(env, stub: Stub) -> None:
+    local = f"http://127.0.0.1:{stub.port}/v1"
+    set_env(env, KERNELCREW_LLM_BASE_URL=local, ANTHROPIC_API_KEY=KEY, OPENAI_BASE_URL=local)
+    chat = resolve_chat_model(backend="anthropic")
+    assert isinstance(chat, AnthropicChat) and chat.base_url == ""
+    assert str(chat._client.base_url).startswith("https://api.anthropic.com")
+    assert str(stub.port) not in repr(chat)
+
+    # Its own base URL, set explicitly, is where the key goes.
+    set_env(env, KERNELCREW_ANTHROPIC_BASE_URL=f"http://127.0.0.1:{stub.port}")
+    stub.queue(anthropic_ok("via gateway"))
+    assert resolve_chat_model(backend="anthropic").complete(CHAT).text == "via gateway"
+    assert stub.requests[-1].path == "/v1/messages" and KEY in str(stub.requests[-1].headers)
+
+
+def test_openai_key_never_goes_to_another_server(env, stub: Stub) -> None:
+    set_env(env, KERNELCREW_LLM_BASE_URL=f"http://127.0.0.1:{stub.port}/v1", OPENAI_API_KEY=KEY)
+    stub.queue(openai_ok("local"))
+    assert resolve_chat_model().complete(CHAT).text == "local"
+    assert stub.requests[-1].headers["authorization"] == "Bearer EMPTY", "the server's own key, none set"
+    set_env(env, KERNELCREW_LLM_API_KEY="local-server-key")
+    resolve_chat_model().complete(CHAT)
+    assert stub.requests[-1].headers["authorization"] == "Bearer local-server-key"
+
+    # Without a base URL: OpenAI's API, whatever the SDK's own variable or an anthropic base URL say.
+    env.delenv("KERNELCREW_LLM_BASE_URL")
+    set_env(env, OPENAI_BASE_URL=f"http://127.0.0.1:{stub.port}/v1")
+    set_env(env, KERNELCREW_ANTHROPIC_BASE_URL=f"http://127.0.0.1:{stub.port}")
+    chat = resolve_chat_model(backend="openai")
+    assert str(chat._client.base_url).startswith("https://api.openai.com")
+    from kernelcrew.config import openai_endpoint
+
+    assert openai_endpoint(Settings(llm_base_url="https://api.openai.com/v1", openai_api_key=KEY))[1] == KEY
+
+
+def test_local_only_judges_the_endpoint_of_the_chosen_provider(env) -> None:
+    from kernelcrew.agents.run import resolve_chat
+
+    set_env(env, KERNELCREW_LLM_BASE_URL="http://127.0.0.1:8000/v1", ANTHROPIC_API_KEY=KEY)
+    chat, backend, note = resolve_chat("anthropic", "", True, get_settings())
+    assert chat is None and backend == "playbook" and "external" in note
+    chat, backend, note = resolve_chat("openai", "", True, get_settings())
+    assert chat is not None and backend == "openai" and not note
 
 
 def test_replay_backend_reads_its_file(env, tmp_path) -> None:

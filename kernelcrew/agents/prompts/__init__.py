@@ -12,6 +12,12 @@ from kernelcrew.agents.llm import Message
 _SECTION = re.compile(r"^## (system|user)[ \t]*$", re.M | re.I)
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
+CODER_RETRY = (
+    "That reply cannot be used: {problem}. Reply with the complete candidate source in one ```python "
+    "block that defines class ModelNew, with no other text; keep it short enough to finish."
+)
+"""The coder's second chance after an empty, refused, cut-off or code-less reply."""
+
 
 @cache
 def _template(name: str) -> tuple[str, str]:
