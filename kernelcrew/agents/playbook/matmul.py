@@ -43,6 +43,7 @@ from kernelcrew.agents.playbook.pointwise import (
     _reachable,
     _state_lines,
     arch_class,
+    single_output,
 )
 
 DTYPES = frozenset({"float16", "bfloat16", "float32"})
@@ -177,12 +178,7 @@ class _MatmulLowering(_Lowering):
 
 
 def _match(a: TaskAnalysis) -> MatmulPlan:
-    if not a.traced:
-        raise Unsupported(f"the module could not be traced with torch.fx: {a.trace_error}")
-    outputs = a.outputs
-    if len(outputs) != 1 or outputs[0].get("ref") is None:
-        raise Unsupported(f"the forward must return one tensor (it returns {len(outputs)} values)")
-    out = outputs[0]
+    out = single_output(a)
     lowering = _MatmulLowering(a)
     needed = _reachable(a, out["ref"])
     for node in a.nodes:

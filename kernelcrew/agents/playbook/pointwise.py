@@ -168,17 +168,36 @@ def explain_pointwise(analysis: TaskAnalysis) -> str:
     return "" if plan is not None else reason
 
 
-def _match(a: TaskAnalysis) -> PointwisePlan:
+def node_origin(node: dict[str, Any]) -> str:
+    """Where a traced node comes from, for messages: its module class and path, or its target."""
+    if "module_type" in node:
+        return f"{node['module_type'].rsplit('.', 1)[-1]} at {node['target']!r}"
+    return str(node["target"])
+
+
+def single_output(a: TaskAnalysis) -> dict[str, Any]:
+    """The traced forward's one output; :class:`Unsupported` when it was not traced or does not
+    return exactly one tensor (every graph strategy needs both)."""
     if not a.traced:
         raise Unsupported(f"the module could not be traced with torch.fx: {a.trace_error}")
     outputs = a.outputs
     if len(outputs) != 1 or outputs[0].get("ref") is None:
         raise Unsupported(f"the forward must return one tensor (it returns {len(outputs)} values)")
-    out = outputs[0]
+    return outputs[0]
+
+
+def check_float_output(a: TaskAnalysis, out: dict[str, Any], verb: str) -> None:
+    """:class:`Unsupported` unless ``out`` is floating point and the module keeps no extra state
+    (a generated kernel ``verb`` only floating-point outputs and copies a plain state dict)."""
     if out.get("dtype") not in FLOAT_DTYPES:
-        raise Unsupported(f"the output dtype is {out.get('dtype')}; only floating-point outputs are fused")
+        raise Unsupported(f"the output dtype is {out.get('dtype')}; only floating-point outputs are {verb}")
     if any(e.get("kind") == "extra_state" for e in a.state_dict):
         raise Unsupported("the module has extra state in its state dict")
+
+
+def _match(a: TaskAnalysis) -> PointwisePlan:
+    out = single_output(a)
+    check_float_output(a, out, "fused")
     needed = _reachable(a, out["ref"])
     lowering = _Lowering(a)
     for node in a.nodes:
@@ -309,12 +328,7 @@ class _Lowering:
             raise Unsupported(f"attribute {node['target']!r} is not in the state dict")
         op = node["op"]
         if op not in SUPPORTED_OPS:
-            where = (
-                f"{node['module_type'].rsplit('.', 1)[-1]} at {node['target']!r}"
-                if "module_type" in node
-                else node["target"]
-            )
-            raise Unsupported(f"op {op!r} ({where}) is not pointwise or not supported")
+            raise Unsupported(f"op {op!r} ({node_origin(node)}) is not pointwise or not supported")
         if node.get("shape") is None or node.get("dtype") is None:
             raise Unsupported(f"{op} ({name}) does not produce a tensor")
         if node["dtype"] not in FLOAT_DTYPES | {"bool"}:

@@ -15,6 +15,7 @@ from kernelcrew.agents.playbook.pointwise import (
     Unsupported,
     _key,
     _Lowering,
+    node_origin,
 )
 from kernelcrew.agents.playbook.rows.ir import REDUCTIONS
 
@@ -167,12 +168,7 @@ class _RowLowering(_Lowering):
             getattr(self, f"lower_{op}")(node, self.bind_row(node, op))
             return
         if op not in SUPPORTED_OPS:
-            where = (
-                f"{node['module_type'].rsplit('.', 1)[-1]} at {node['target']!r}"
-                if "module_type" in node
-                else node["target"]
-            )
-            raise Unsupported(f"op {op!r} ({where}) is neither pointwise nor a row reduction")
+            raise Unsupported(f"op {op!r} ({node_origin(node)}) is neither pointwise nor a row reduction")
         super().visit(node)
 
     def bind_row(self, node: dict[str, Any], op: str) -> dict[str, Any]:

@@ -6,13 +6,14 @@ from typing import Any
 
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
 from kernelcrew.agents.playbook.pointwise import (
-    FLOAT_DTYPES,
     Operand,
     Step,
     Unsupported,
     _key,
     _reachable,
     _simple_literal,
+    check_float_output,
+    single_output,
 )
 from kernelcrew.agents.playbook.rows.ir import REDUCTIONS, RowPlan, outs
 from kernelcrew.agents.playbook.rows.lowering import ROW_OPS, _RowLowering
@@ -40,16 +41,8 @@ def match(analysis: TaskAnalysis) -> tuple[RowPlan | None, str]:
 
 
 def _match(a: TaskAnalysis) -> RowPlan:
-    if not a.traced:
-        raise Unsupported(f"the module could not be traced with torch.fx: {a.trace_error}")
-    outputs = a.outputs
-    if len(outputs) != 1 or outputs[0].get("ref") is None:
-        raise Unsupported(f"the forward must return one tensor (it returns {len(outputs)} values)")
-    out = outputs[0]
-    if out.get("dtype") not in FLOAT_DTYPES:
-        raise Unsupported(f"the output dtype is {out.get('dtype')}; only floating-point outputs are handled")
-    if any(e.get("kind") == "extra_state" for e in a.state_dict):
-        raise Unsupported("the module has extra state in its state dict")
+    out = single_output(a)
+    check_float_output(a, out, "handled")
     for arg in a.forward_args:
         if not arg["name"].isidentifier():
             raise Unsupported(f"forward argument {arg['name']!r} (varargs are not supported)")
