@@ -417,12 +417,9 @@ async def form_source(form: Any, name: str, kind: str, errors: dict[str, str], m
 
 
 def form_options(values: dict[str, str], errors: dict[str, str]) -> dict[str, Any]:
-    """The job's options from the form, checked by the API's own model; errors keyed by input name."""
-    from kernelcrew.tools.timing import parse_compile_modes
-
+    """The job's options from the form, checked by the API's own model (backend, compile modes, GPU
+    against device...); errors keyed by input name."""
     raw: dict[str, Any] = {k: values[k] for k in FORM_OPTION_FIELDS if values.get(k, "") != ""}
-    if raw.get("backend") and raw["backend"] not in BACKENDS:
-        errors["backend"] = f"Choose one of {', '.join(BACKENDS)}."
     target = values.get("target", "cpu")
     device, _, gpu = target.partition(":")
     raw["device"] = "cpu" if device == "cpu" else "cuda"
@@ -430,10 +427,6 @@ def form_options(values: dict[str, str], errors: dict[str, str]) -> dict[str, An
         raw["gpu"] = gpu
     raw["quick"] = values.get("quick") == "on"
     raw["use_kb"] = values.get("use_kb") == "on"
-    try:
-        parse_compile_modes(str(raw.get("compile_modes", "auto")), raw["device"])
-    except ValueError as exc:
-        errors["compile_modes"] = str(exc)
     try:
         return JobOptions.model_validate(raw).model_dump(mode="json")
     except ValidationError as exc:
