@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import importlib
 import importlib.util
 import json
@@ -169,6 +170,7 @@ CLONE_NEWNET = 0x40000000
 MACHINE_MEMORY_SHARE = 0.8
 
 
+@functools.cache
 def machine_memory_limit(meminfo: Path = Path("/proc/meminfo")) -> int:
     """A child's default memory limit: :data:`MACHINE_MEMORY_SHARE` of the machine's memory (at least
     4 GiB; 32 GiB where the machine's memory cannot be read), so inputs of many GB fit where the

@@ -279,8 +279,9 @@ def test_the_default_memory_limit_is_sized_from_the_machine(tmp_path, monkeypatc
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\n")
     assert machine_memory_limit(meminfo) == int(131072000 * 1024 * 0.8)
-    meminfo.write_text("MemTotal:       1024 kB\n")
-    assert machine_memory_limit(meminfo) == 4 * 1024**3
+    small = tmp_path / "meminfo_small"  # read once per file: the machine's memory does not change
+    small.write_text("MemTotal:       1024 kB\n")
+    assert machine_memory_limit(small) == 4 * 1024**3
     assert machine_memory_limit(tmp_path / "missing") == 32 * 1024**3
     assert SandboxLimits.from_settings(Settings(sandbox_memory_mb=0)).memory_bytes == machine_memory_limit()
     assert SandboxLimits.from_settings(Settings(sandbox_memory_mb=2048)).memory_bytes == 2048 * 1024**2
