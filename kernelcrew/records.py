@@ -132,6 +132,11 @@ class TimingStats(Record):
     samples: int = Field(description="Outputs sampled for checking.")
     lead_us: float = Field(description="Median lead before the timed call (GPU).")
     lead_short_reps: int = Field(description="Reps whose launches outlasted their lead.")
+    off_stream_ms: float | None = Field(
+        None,
+        description="Median device time after the call's end event (work left on another stream or "
+        "deferred); when set, the times are device-wide spans.",
+    )
 
 
 class SpeedupRatio(Record):
@@ -173,7 +178,7 @@ class ReferenceProfile(Record):
 
 
 class BenchmarkResult(Record):
-    """A benchmark run: eager, torch.compile and candidates timed in one process, interleaved.
+    """A benchmark run: eager and torch.compile in one process, the candidates in another, interleaved.
 
     A run that failed carries only ``failure`` and ``seed``. Its JSON has the parts it was given or
     assigned, as the timing child produced them: no ``profile`` without hotspots, no ``failure``

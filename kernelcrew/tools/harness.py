@@ -668,7 +668,7 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Benchmark child: baseline(s) and candidates timed in one process, interleaved
+# Benchmark servers: the reference and the candidates in separate processes, timed in lockstep
 # ----------------------------------------------------------------------------------------------
 
 
@@ -683,8 +683,111 @@ def make_input_sets(task: Task, seed: int, count: int) -> list[list[Any]]:
     return sets
 
 
-def benchmark_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Time the reference (eager, optionally ``torch.compile``) and each candidate, interleaved."""
+def _timing_inputs(task: Task, payload: dict[str, Any], workdir: Path) -> tuple[list[Any], dict[str, Any]]:
+    """The input sets and weights both benchmark servers time with: the golden's shared files, or
+    the same ones made again from the seed (randomized constant parameters included)."""
+    import torch
+
+    seed = int(payload["seed"])
+    if (workdir / "inputs.pt").exists():
+        input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
+        input_lists = [input_lists[i] for i in payload.get("set_indices", range(len(input_lists)))]
+        state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
+        return input_lists, state
+    reference, _ = build_reference(task, seed)
+    randomize_constant_parameters(reference, seed + 7)
+    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    return make_input_sets(task, seed, int(payload.get("n_sets", 3))), state
+
+
+def _timing_config(payload: dict[str, Any]) -> Any:
+    from kernelcrew.tools import timing
+
+    config = timing.TimingConfig.quick() if payload.get("quick") else timing.TimingConfig()
+    if payload.get("max_time_s"):
+        config.max_time_s = float(payload["max_time_s"])
+    return config
+
+
+def reference_server(payload: dict[str, Any], workdir: Path, channel: Any) -> dict[str, Any]:
+    """The reference's side of a benchmark: eager and ``torch.compile`` timed on request, then the
+    golden of every judged timed call and the hotspot profile. No candidate code ever runs in this
+    process, so no candidate can slow the baseline down or see what is judged."""
+    from kernelcrew.tools import hardware, timing
+    from kernelcrew.tools.anticheat import record_ops
+
+    device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
+    apply_precision(policy)
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    input_lists, state = _timing_inputs(task, payload, workdir)
+    reference, _ = build_reference(task, seed)
+    reference.load_state_dict(state)
+    reference = reference.to(device).eval()
+    dev = timing._resolve_device(device)
+    with timing._on_device(dev):
+        dev_sets = [to_device(s, device) for s in input_lists]
+        out, reference_ops = record_ops(reference, *dev_sets[0])
+        output_bytes = sum(t.numel() * t.element_size() for t in flatten_outputs(out))
+        del out
+        callables: dict[str, Any] = {"eager": lambda inputs: reference(*inputs)}
+        compile_s: dict[str, float] = {}
+        compile_errors: dict[str, str] = {}
+        for mode in payload.get("compile_modes", []):
+            try:
+                fn, seconds = timing.compile_baseline(reference, mode, dev_sets[0])
+            except Exception as exc:  # a compiler failure is reported, the other baselines still run
+                compile_errors[mode] = f"{type(exc).__name__}: {exc}"[:500]
+                continue
+            callables[f"compile:{mode}"] = fn
+            compile_s[mode] = round(seconds, 3)
+        lane = timing.Lane(callables, dev_sets, dev, _timing_config(payload), fresh=True)
+        while (message := channel.receive()) is not None:
+            op = message["op"]
+            if op == "ready":
+                reply = {
+                    **lane.info(),
+                    "compile_s": compile_s,
+                    "compile_errors": compile_errors,
+                    "reference_ops": reference_ops,
+                    "output_bytes": output_bytes,
+                    "hardware": hardware.detect(device).to_dict(),
+                    "versions": hardware.versions(),
+                }
+            elif op == "golden":
+                _judged_goldens(reference, dev_sets, message["samples"], device, workdir / "child")
+                reply = {}
+            elif op == "profile":
+                reply = profile_reference(reference, dev_sets[0], device, policy)
+            else:
+                reply = lane.handle(message)
+            channel.reply(reply)
+    return {}
+
+
+def _judged_goldens(
+    model: Any, dev_sets: list[Any], samples: dict[str, list[Any]], device: str, out_dir: Path
+) -> None:
+    """The float64 golden and the native output of each judged call ``{key: [name, set, seed]}``
+    (the same fresh data the candidate got), saved to ``judged.pt`` for the parent."""
+    import torch
+
+    from kernelcrew.tools import timing
+
+    model64 = copy.deepcopy(model).to(torch.float64).eval()
+    judged: dict[str, dict[str, Any]] = {}
+    for key, (_name, set_index, seed) in samples.items():
+        inputs = dev_sets[set_index] if seed is None else timing.fresh_inputs(dev_sets[set_index], seed)
+        with torch.no_grad():
+            native = [t.detach().to("cpu").clone() for t in flatten_outputs(model(*inputs))]
+        golden, mode = _run_golden(model64, model, inputs, device)
+        judged[key] = {"golden": golden, "native": native, "mode": mode}
+    torch.save(judged, out_dir / "judged.pt")
+
+
+def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> dict[str, Any]:
+    """The candidates' side of a benchmark: each candidate timed on request with fresh data; the
+    outputs the parent chose to judge (told only after each rep) are written to ``samples.pt``.
+    Global state and every output are checked after every call."""
     import torch
 
     from kernelcrew.tools import timing
@@ -693,84 +796,37 @@ def benchmark_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
     apply_precision(policy)
     task = load_task(payload["task_source"], path=payload["task_path"])
-    if (workdir / "inputs.pt").exists():
-        input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
-        input_lists = [input_lists[i] for i in payload.get("set_indices", range(len(input_lists)))]
-        state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
-        reference, _ = build_reference(task, seed)
-        reference.load_state_dict(state)
-    else:
-        reference, _ = build_reference(task, seed)
-        randomize_constant_parameters(reference, seed + 7)
-        state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-        input_lists = make_input_sets(task, seed, int(payload.get("n_sets", 3)))
-    reference = reference.to(device).eval()
-    dev_sets = [to_device(s, device) for s in input_lists]
-
-    callables: dict[str, Any] = {"eager": lambda inputs: reference(*inputs)}
-    compile_s: dict[str, float] = {}
-    compile_errors: dict[str, str] = {}
-    for mode in payload.get("compile_modes", []):
-        try:
-            with torch.no_grad():
-                fn, seconds = timing.compile_baseline(reference, mode, dev_sets[0])
-        except Exception as exc:  # a compiler failure is reported, the other baselines still run
-            compile_errors[mode] = f"{type(exc).__name__}: {exc}"[:500]
-            continue
-        callables[f"compile:{mode}"] = fn
-        compile_s[mode] = round(seconds, 3)
-
-    builds = {}
-    for name, cand in payload.get("candidates", {}).items():
+    input_lists, state = _timing_inputs(task, payload, workdir)
+    dev = timing._resolve_device(device)
+    builds: dict[str, Any] = {}
+    callables: dict[str, Any] = {}
+    for name, cand in payload["candidates"].items():
         model, _ref, build = load_candidate_model(task, cand["source"], cand["path"], seed, state, device)
         builds[name] = build
         callables[name] = lambda inputs, m=model: m(*inputs)
+    candidate_files = tuple(c["path"] for c in payload["candidates"].values())
 
-    samples: dict[str, list[Any]] = {}
-    baseline_state: dict[str, Any] = {}
+    with timing._on_device(dev):
+        dev_sets = [to_device(s, device) for s in input_lists]
+        baseline_state = snapshot_state(candidate_files)  # as the timer runs every call: grad off
 
-    candidate_files = tuple(c["path"] for c in payload.get("candidates", {}).values())
+        def check_call(name: str, out: Any) -> None:
+            changes = state_changes(baseline_state, snapshot_state(candidate_files))
+            if changes:
+                raise StageError("state", f"timing {name} changed global state: " + "; ".join(changes))
+            try:
+                flatten_outputs(out)
+            except TypeError as exc:
+                raise StageError("timed_output", f"{name}: {exc}") from exc
 
-    def check_call(name: str) -> None:
-        changes = state_changes(baseline_state, snapshot_state(candidate_files))
-        if changes:
-            raise StageError("state", f"timing {name} changed global state: " + "; ".join(changes))
-
-    def on_sample(name: str, set_index: int, out: Any) -> None:
-        samples[f"{name}:{len(samples)}:{set_index}"] = [
-            t.detach().to("cpu").clone() for t in flatten_outputs(out)
-        ]
-
-    config = timing.TimingConfig.quick() if payload.get("quick") else timing.TimingConfig()
-    if payload.get("max_time_s"):
-        config.max_time_s = float(payload["max_time_s"])
-    candidate_names = [n for n in callables if n != "eager" and not n.startswith("compile:")]
-    with torch.no_grad():
-        baseline_state.update(snapshot_state(candidate_files))  # as the timer runs every call: grad off
-        result = timing.measure(
-            callables,
-            dev_sets,
-            device=device,
-            config=config,
-            baseline="eager",
-            sample_outputs=int(payload.get("sample_outputs", 0)),
-            on_sample=lambda name, i, out: on_sample(name, i, out) if name in candidate_names else None,
-            check_call=check_call,
+        lane = timing.Lane(
+            callables, dev_sets, dev, _timing_config(payload), fresh=True, check_call=check_call
         )
-    if samples:
-        torch.save(samples, workdir / "child" / "samples.pt")
-    from kernelcrew.tools import hardware
-
-    if payload.get("hotspots"):
-        result["profile"] = profile_reference(reference, dev_sets[0], device, policy)
-    result.update(
-        compile_s=compile_s,
-        compile_errors=compile_errors,
-        builds=builds,
-        hardware=hardware.detect(device).to_dict(),
-        versions=hardware.versions(),
-    )
-    return result
+        while (message := channel.receive()) is not None:
+            reply = {**lane.info(), "builds": builds} if message["op"] == "ready" else lane.handle(message)
+            channel.reply(reply)
+        torch.save(lane.kept, workdir / "child" / "samples.pt")
+    return {"builds": builds}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -826,175 +826,409 @@ def run(
     Raises :class:`SandboxUnavailable` where ``KERNELCREW_SANDBOX=bwrap`` and bubblewrap cannot
     isolate the child: no user code runs then.
     """
-    s = settings or get_settings()
-    limits = limits or SandboxLimits.from_settings(s)
-    boxed = s.sandbox == "bwrap"
-    if boxed:
-        ready, box_reason = bwrap_status(s)
-        if not ready:
-            raise SandboxUnavailable(box_reason)
-    own_workdir = workdir is None
-    workdir = workdir or make_workdir()
-    child_dir = workdir / "child"
-    (child_dir / "tmp").mkdir(parents=True, exist_ok=True)
-    writable = tuple(Path(p) for p in writable)
-
-    if boxed:
-        ident = None
-        cgroups = _Cgroups(limits.max_procs, limits.memory_bytes)
-        isolation = _boxed_isolation(box_reason, cgroups, limits, s, wrapper)
-        own_net = False
-    else:
-        can_drop, drop_reason = privilege_drop(s)
-        ident = _sandbox_identity(s.sandbox_user) if can_drop else None
-        cgroups = _Cgroups(limits.max_procs, None)
-        own_net, net_reason = network_isolation()
-        isolation = _unsafe_isolation(ident, drop_reason, cgroups, own_net, net_reason, limits, s, wrapper)
-
-    spec = {
-        "target": target,
-        "payload": payload,
-        "workdir": str(workdir),
-        "child_dir": str(child_dir),
-        "result_path": str(child_dir / f"result-{uuid.uuid4().hex}.json"),
-        "limits": asdict(limits),
-        "cgroup_procs": None if boxed or not cgroups.procs else cgroups.procs[0],
-        "drop_nproc": ident is not None or os.geteuid() != 0,
-        "drop_to": list(ident) if ident is not None else None,
-        "isolate_network": own_net and not wrapper,  # else the launcher below made the namespace
-        "boxed": boxed,
-    }
-    spec_path = workdir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-
-    child_env = _base_env(child_dir)
-    prefix = pycache.child_prefix(s)  # read-only bytecode: a fresh interpreter imports torch fast
-    if prefix is not None:
-        child_env["PYTHONPYCACHEPREFIX"] = str(prefix)
-    if env:
-        child_env.update(env)
-
-    scope = _code_digest(payload)
-    caches: list[tuple[Path, Path]] = []
-    seccomp = _seccomp_file(workdir) if boxed else contextlib.nullcontext(None)
-    seccomp_fd = seccomp.__enter__()
-    if boxed:
-        _write_identity(workdir, child_dir)
-        caches = _seed_caches(writable, workdir, scope)
-        view = _view_args(
-            workdir,
-            child_dir,
-            caches,
-            _readonly_paths(target, wrapper, prefix),
-            s.sandbox_tmp_mb * 1024**2,
-            seccomp_fd,
-        )
-        command = [
-            *_join_cgroups(cgroups.procs),
-            _bwrap_path(s) or s.sandbox_bwrap,
-            *view,
-            *wrapper,
-            sys.executable,
-            "-m",
-            "kernelcrew.tools.sandbox",
-            str(spec_path),
-        ]
-    else:
-        if ident is not None:
-            uid, gid = ident
-            for path in (workdir, spec_path):
-                os.chmod(path, 0o755 if path.is_dir() else 0o644)
-            for root, dirs, files in os.walk(child_dir):
-                for name in [*dirs, *files]:
-                    os.chown(os.path.join(root, name), uid, gid)
-            os.chown(child_dir, uid, gid)
-            for path in writable:
-                _chown_tree(path, uid, gid)
-        command = [
-            *_launcher(own_net and bool(wrapper)),
-            *wrapper,
-            sys.executable,
-            "-m",
-            "kernelcrew.tools.sandbox",
-            str(spec_path),
-        ]
-
-    started = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            command,
-            cwd=child_dir,
-            env=child_env,  # bwrap passes its own environment on: the scrubbed one
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            pass_fds=() if seccomp_fd is None else (seccomp_fd,),
-        )
-    except OSError as exc:
-        seccomp.__exit__(None, None, None)
-        cgroups.remove()
-        return SandboxResult(
-            status="error", message=f"could not start the sandbox: {exc}", isolation=isolation
-        )
-
-    seccomp.__exit__(None, None, None)  # bwrap has its own descriptor of the program now
-    output = _OutputReader(proc, limits.max_output_bytes)
-    output.start()
+    child = _Child.launch(target, payload, limits, workdir, env, settings, keep_workdir, writable, wrapper)
+    if isinstance(child, SandboxResult):
+        return child
     status = None
-    try:
-        deadline = started + limits.wall_s
-        while proc.poll() is None:
-            if output.exceeded:
-                status = "output_limit"
+    while child.proc.poll() is None:
+        status = child.over_limit()
+        if status:
+            break
+        time.sleep(0.01)
+    return child.reap(status)
+
+
+class ChannelError(RuntimeError):
+    """A session's child broke the request/reply protocol, died, or ran past its deadline."""
+
+
+class Session:
+    """A sandboxed child that serves requests (see :func:`start`); ``close()`` gives its record."""
+
+    def __init__(self, child: _Child) -> None:
+        self._child = child
+        self._replies = child.reply_read
+        self._buffer = b""
+        self._sequence = 0
+        self.result: SandboxResult | None = None
+
+    @property
+    def isolation(self) -> dict[str, Any]:
+        return self._child.isolation
+
+    def request(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Send one request, wait for its reply; :class:`ChannelError` when none comes.
+
+        Each request carries a sequence number the reply must repeat, so a reply the child's user
+        code wrote out of turn is a protocol error, never an answer.
+        """
+        import select
+
+        if self.result is not None:
+            raise ChannelError("the session is closed")
+        self._sequence += 1
+        line = json.dumps({**message, "seq": self._sequence}).encode() + b"\n"
+        stdin = self._child.proc.stdin
+        try:
+            assert stdin is not None
+            stdin.write(line)
+            stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise ChannelError(f"the child stopped reading requests: {exc}") from exc
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._child.limits.wall_s)
+        deadline = min(deadline, self._child.started + self._child.limits.wall_s)
+        while b"\n" not in self._buffer:
+            status = self._child.over_limit()
+            if status:
+                raise ChannelError(status)
+            if time.monotonic() > deadline:
+                raise ChannelError("timeout")
+            ready, _, _ = select.select([self._replies], [], [], 0.05)
+            if ready:
+                chunk = os.read(self._replies, 65536)
+                if not chunk:
+                    raise ChannelError("the child closed its reply channel (it died or exited)")
+                self._buffer += chunk
+                if len(self._buffer) > 16 * 1024**2:
+                    raise ChannelError("a reply larger than 16 MiB")
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        try:
+            reply = json.loads(line)
+        except ValueError as exc:
+            raise ChannelError(f"an unreadable reply: {exc}") from exc
+        if not isinstance(reply, dict) or reply.get("seq") != self._sequence:
+            raise ChannelError("a reply out of turn (not the answer to the last request)")
+        if reply.get("error"):
+            raise ChannelError(str(reply["error"])[:4000])
+        reply.pop("seq")
+        return reply
+
+    def close(self, timeout_s: float = 60.0) -> SandboxResult:
+        """Tell the child to finish (end of requests), wait for it, and return its record."""
+        if self.result is not None:
+            return self.result
+        status = None
+        with contextlib.suppress(OSError):
+            assert self._child.proc.stdin is not None
+            self._child.proc.stdin.close()
+        deadline = time.monotonic() + timeout_s
+        while self._child.proc.poll() is None:
+            status = self._child.over_limit()
+            if status:
                 break
             if time.monotonic() > deadline:
                 status = "timeout"
                 break
             time.sleep(0.01)
-    finally:
-        _kill_group(proc)
-        oom = cgroups.oom_killed()
-        cgroups.remove()
-        output.join(timeout=5)
-        if ident is not None:  # hand the caches back: no later child may write into this one's
-            for path in writable:
-                _chown_tree(path, os.geteuid(), os.getegid())
-    wall = time.monotonic() - started
-    if output.exceeded:
-        status = "output_limit"
-    _sanitize(child_dir)
+        self.result = self._child.reap(status)
+        return self.result
 
-    returncode = proc.returncode
-    if boxed and returncode is not None and 128 < returncode < 128 + signal.NSIG:
-        returncode = 128 - returncode  # bwrap exits 128+N for a child killed by signal N
-    result = SandboxResult(
-        status=status or "ok",
-        returncode=returncode,
-        wall_s=round(wall, 3),
-        output_tail=output.tail(),
-        output_bytes=output.total,
-        isolation=isolation,
-    )
-    if status == "timeout":
-        result.message = f"timed out after {limits.wall_s:g} s wall-clock; process group killed"
-    elif status == "output_limit":
-        result.message = f"printed more than {limits.max_output_bytes} bytes; process group killed"
-    elif boxed and returncode == 125 and cgroups.procs and not output.total:
-        result.status = "error"
-        result.message = "could not start the sandbox: the child could not join its cgroups"
-    else:
-        _read_child_result(result, Path(spec["result_path"]), returncode)
-        if oom and result.status == "crashed":
-            result.message += f"; the memory cgroup's limit ({limits.memory_bytes // 1024**2} MiB) was hit"
-    if boxed and result.ok and len(caches) == 1:
-        _seal(*caches[0], scope)
-    if own_workdir and not keep_workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    elif caches:
-        shutil.rmtree(workdir / "caches", ignore_errors=True)
-    return result
+    def kill(self, message: str) -> SandboxResult:
+        """End the child now (it broke the protocol); its record carries ``message``."""
+        if self.result is None:
+            _kill_group(self._child.proc)
+            self.result = self._child.reap("error")
+            self.result.message = message
+        return self.result
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.result is None:
+            self.kill("the caller stopped the session")
+
+
+def start(
+    target: str,
+    payload: dict[str, Any],
+    *,
+    limits: SandboxLimits | None = None,
+    workdir: Path | None = None,
+    env: dict[str, str] | None = None,
+    settings: Settings | None = None,
+    writable: tuple[Path, ...] = (),
+) -> Session | SandboxResult:
+    """Start ``target`` as a long-lived sandboxed child that serves requests.
+
+    The same box as :func:`run`; the function is called as ``function(payload, workdir, channel)``,
+    reads requests with ``channel.receive()`` (None once the parent closes the session) and answers
+    each with ``channel.reply(dict)``; it returns its record as :func:`run`'s targets do. The
+    requests travel on the child's stdin, the replies on a pipe of their own; the child's output
+    stays its merged stdout/stderr, limited as in :func:`run`. Returns a :class:`SandboxResult`
+    instead where the child could not start.
+    """
+    child = _Child.launch(target, payload, limits, workdir, env, settings, False, writable, (), channel=True)
+    return child if isinstance(child, SandboxResult) else Session(child)
+
+
+class Channel:
+    """The child's end of a :class:`Session`: JSON-line requests on stdin, replies on their own pipe."""
+
+    def __init__(self, reply_fd: int) -> None:
+        self._reply_fd = reply_fd
+        self._buffer = b""
+        self._seq: int | None = None
+
+    def receive(self) -> dict[str, Any] | None:
+        while b"\n" not in self._buffer:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        message = json.loads(line)
+        self._seq = message.pop("seq")
+        return message
+
+    def reply(self, message: dict[str, Any]) -> None:
+        data = json.dumps({**message, "seq": self._seq}, default=str).encode() + b"\n"
+        while data:
+            data = data[os.write(self._reply_fd, data) :]
+
+
+@dataclass
+class _Child:
+    """One started sandbox child and what the parent must clean up after it."""
+
+    proc: subprocess.Popen
+    output: _OutputReader
+    cgroups: _Cgroups
+    limits: SandboxLimits
+    isolation: dict[str, Any]
+    ident: tuple[int, int] | None
+    writable: tuple[Path, ...]
+    caches: list[tuple[Path, Path]]
+    scope: str
+    workdir: Path
+    child_dir: Path
+    result_path: Path
+    boxed: bool
+    remove_workdir: bool
+    started: float
+    reply_read: int = -1
+
+    @classmethod
+    def launch(
+        cls,
+        target: str,
+        payload: dict[str, Any],
+        limits: SandboxLimits | None,
+        workdir: Path | None,
+        env: dict[str, str] | None,
+        settings: Settings | None,
+        keep_workdir: bool,
+        writable: tuple[Path, ...],
+        wrapper: tuple[str, ...],
+        channel: bool = False,
+    ) -> _Child | SandboxResult:
+        s = settings or get_settings()
+        limits = limits or SandboxLimits.from_settings(s)
+        boxed = s.sandbox == "bwrap"
+        if boxed:
+            ready, box_reason = bwrap_status(s)
+            if not ready:
+                raise SandboxUnavailable(box_reason)
+        own_workdir = workdir is None
+        workdir = workdir or make_workdir()
+        child_dir = workdir / "child"
+        (child_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        writable = tuple(Path(p) for p in writable)
+
+        if boxed:
+            ident = None
+            cgroups = _Cgroups(limits.max_procs, limits.memory_bytes)
+            isolation = _boxed_isolation(box_reason, cgroups, limits, s, wrapper)
+            own_net = False
+        else:
+            can_drop, drop_reason = privilege_drop(s)
+            ident = _sandbox_identity(s.sandbox_user) if can_drop else None
+            cgroups = _Cgroups(limits.max_procs, None)
+            own_net, net_reason = network_isolation()
+            isolation = _unsafe_isolation(
+                ident, drop_reason, cgroups, own_net, net_reason, limits, s, wrapper
+            )
+
+        reply_read, reply_write = os.pipe() if channel else (-1, -1)
+        spec = {
+            "target": target,
+            "payload": payload,
+            "workdir": str(workdir),
+            "child_dir": str(child_dir),
+            "result_path": str(child_dir / f"result-{uuid.uuid4().hex}.json"),
+            "limits": asdict(limits),
+            "cgroup_procs": None if boxed or not cgroups.procs else cgroups.procs[0],
+            "drop_nproc": ident is not None or os.geteuid() != 0,
+            "drop_to": list(ident) if ident is not None else None,
+            "isolate_network": own_net and not wrapper,  # else the launcher below made the namespace
+            "boxed": boxed,
+            "reply_fd": reply_write if channel else None,
+        }
+        spec_path = workdir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+
+        child_env = _base_env(child_dir)
+        prefix = pycache.child_prefix(s)  # read-only bytecode: a fresh interpreter imports torch fast
+        if prefix is not None:
+            child_env["PYTHONPYCACHEPREFIX"] = str(prefix)
+        if env:
+            child_env.update(env)
+
+        scope = _code_digest(payload)
+        caches: list[tuple[Path, Path]] = []
+        seccomp = _seccomp_file(workdir) if boxed else contextlib.nullcontext(None)
+        seccomp_fd = seccomp.__enter__()
+        if boxed:
+            _write_identity(workdir, child_dir)
+            caches = _seed_caches(writable, workdir, scope)
+            view = _view_args(
+                workdir,
+                child_dir,
+                caches,
+                _readonly_paths(target, wrapper, prefix),
+                s.sandbox_tmp_mb * 1024**2,
+                seccomp_fd,
+            )
+            command = [
+                *_join_cgroups(cgroups.procs),
+                _bwrap_path(s) or s.sandbox_bwrap,
+                *view,
+                *wrapper,
+                sys.executable,
+                "-m",
+                "kernelcrew.tools.sandbox",
+                str(spec_path),
+            ]
+        else:
+            if ident is not None:
+                uid, gid = ident
+                for path in (workdir, spec_path):
+                    os.chmod(path, 0o755 if path.is_dir() else 0o644)
+                for root, dirs, files in os.walk(child_dir):
+                    for name in [*dirs, *files]:
+                        os.chown(os.path.join(root, name), uid, gid)
+                os.chown(child_dir, uid, gid)
+                for path in writable:
+                    _chown_tree(path, uid, gid)
+            command = [
+                *_launcher(own_net and bool(wrapper)),
+                *wrapper,
+                sys.executable,
+                "-m",
+                "kernelcrew.tools.sandbox",
+                str(spec_path),
+            ]
+
+        started = time.monotonic()
+        pass_fds = tuple(fd for fd in (seccomp_fd, reply_write) if fd is not None and fd >= 0)
+        try:
+            proc = subprocess.Popen(
+                command,
+                cwd=child_dir,
+                env=child_env,  # bwrap passes its own environment on: the scrubbed one
+                stdin=subprocess.PIPE if channel else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=pass_fds,
+            )
+        except OSError as exc:
+            seccomp.__exit__(None, None, None)
+            cgroups.remove()
+            for fd in (reply_read, reply_write):
+                if fd >= 0:
+                    os.close(fd)
+            return SandboxResult(
+                status="error", message=f"could not start the sandbox: {exc}", isolation=isolation
+            )
+        finally:
+            if reply_write >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(reply_write)  # the child holds its own copy
+
+        seccomp.__exit__(None, None, None)  # bwrap has its own descriptor of the program now
+        output = _OutputReader(proc, limits.max_output_bytes)
+        output.start()
+        return cls(
+            proc=proc,
+            output=output,
+            cgroups=cgroups,
+            limits=limits,
+            isolation=isolation,
+            ident=ident,
+            writable=writable,
+            caches=caches,
+            scope=scope,
+            workdir=workdir,
+            child_dir=child_dir,
+            result_path=Path(spec["result_path"]),
+            boxed=boxed,
+            remove_workdir=own_workdir and not keep_workdir,
+            started=started,
+            reply_read=reply_read,
+        )
+
+    def over_limit(self) -> str | None:
+        """``output_limit`` or ``timeout`` once the child passed one of them, else None."""
+        if self.output.exceeded:
+            return "output_limit"
+        if time.monotonic() > self.started + self.limits.wall_s:
+            return "timeout"
+        return None
+
+    def reap(self, status: str | None) -> SandboxResult:
+        """Kill what is left of the child, clean up, and turn what happened into its record."""
+        limits = self.limits
+        try:
+            _kill_group(self.proc)
+            oom = self.cgroups.oom_killed()
+            self.cgroups.remove()
+            self.output.join(timeout=5)
+            if self.ident is not None:  # hand the caches back: no later child may write into this one's
+                for path in self.writable:
+                    _chown_tree(path, os.geteuid(), os.getegid())
+        finally:
+            if self.reply_read >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self.reply_read)
+                self.reply_read = -1
+        wall = time.monotonic() - self.started
+        if self.output.exceeded:
+            status = "output_limit"
+        _sanitize(self.child_dir)
+
+        returncode = self.proc.returncode
+        if self.boxed and returncode is not None and 128 < returncode < 128 + signal.NSIG:
+            returncode = 128 - returncode  # bwrap exits 128+N for a child killed by signal N
+        result = SandboxResult(
+            status=status or "ok",
+            returncode=returncode,
+            wall_s=round(wall, 3),
+            output_tail=self.output.tail(),
+            output_bytes=self.output.total,
+            isolation=self.isolation,
+        )
+        if status == "timeout":
+            result.message = f"timed out after {limits.wall_s:g} s wall-clock; process group killed"
+        elif status == "output_limit":
+            result.message = f"printed more than {limits.max_output_bytes} bytes; process group killed"
+        elif self.boxed and returncode == 125 and self.cgroups.procs and not self.output.total:
+            result.status = "error"
+            result.message = "could not start the sandbox: the child could not join its cgroups"
+        else:
+            _read_child_result(result, self.result_path, returncode)
+            if oom and result.status == "crashed":
+                result.message += (
+                    f"; the memory cgroup's limit ({limits.memory_bytes // 1024**2} MiB) was hit"
+                )
+        if self.boxed and result.ok and len(self.caches) == 1:
+            _seal(*self.caches[0], self.scope)
+        if self.remove_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        elif self.caches:
+            shutil.rmtree(self.workdir / "caches", ignore_errors=True)
+        return result
 
 
 def _join_cgroups(procs: list[str]) -> list[str]:
@@ -1249,7 +1483,11 @@ def _child_main(spec_path: str) -> None:
     try:
         module_name, func_name = spec["target"].split(":")
         func = getattr(importlib.import_module(module_name), func_name)
-        value = func(spec["payload"], Path(spec["workdir"]))
+        if spec.get("reply_fd") is not None:
+            channel = Channel(int(spec["reply_fd"]))
+            value = func(spec["payload"], Path(spec["workdir"]), channel)
+        else:
+            value = func(spec["payload"], Path(spec["workdir"]))
         record: dict[str, Any] = {"ok": True, "value": value}
     except StageError as exc:
         record = {

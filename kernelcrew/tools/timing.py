@@ -106,6 +106,12 @@ _LEAD_FACTOR = 2.0  # this times the 90th percentile of the call's recent host l
 _LEAD_MAX_US = 5000.0  # at most this
 _LEAD_WINDOW = 20  # recent reps the lead is sized from
 _SLEEP_CALIBRATION_CYCLES = 2_000_000
+_SYNC_GAP_SAMPLES = 20  # idle synchronizations that calibrate the device-wide span
+_OFF_STREAM_ABS_MS = 0.005  # a span this much longer than the events (and
+_OFF_STREAM_REL = 0.05  # this share of them) means work the events did not see
+_FRESH_SPREAD = 0.25  # fresh data: each element scaled by a factor in [1 - this, 1 + this]
+_FRESH_PROBE = 4096  # elements looked at to tell a mask or labels from data
+_FRESH_FEW_VALUES = 16  # at most this many distinct values: a mask or labels, kept as is
 
 
 @dataclass
@@ -208,6 +214,7 @@ class _Rep:
     clock_ms: float  # CUDA event time on a GPU, wall time on the CPU
     wall_ms: float  # synchronized wall time from an idle device
     host_ms: float  # time for the call to return on the host (launches, no synchronize)
+    span_ms: float | None = None  # device-wide: start event to all work of the process done
 
 
 def lead_for(host_ms: Sequence[float]) -> float:
@@ -221,21 +228,24 @@ def lead_for(host_ms: Sequence[float]) -> float:
 
 
 class _Timer:
-    """Times calls on one device; owns the L2 flush buffer, the two CUDA events and the lead kernel."""
+    """Times calls on one device; owns the L2 flush buffer, the CUDA events and the lead kernel."""
 
     def __init__(self, device: torch.device, flush_l2: bool) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.flush_buffer: torch.Tensor | None = None
         self.cycles_per_us: float | None = None
+        self.sync_gap_ms = 0.0
         if self.is_cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.end = torch.cuda.Event(enable_timing=True)
+            self.after = torch.cuda.Event(enable_timing=True)
             if flush_l2:
                 props = torch.cuda.get_device_properties(device)
                 l2 = int(getattr(props, "L2_cache_size", 0) or 0) or _FALLBACK_L2_BYTES
                 self.flush_buffer = torch.empty(2 * l2, dtype=torch.uint8, device=device)
             self.cycles_per_us = self._calibrate_sleep()
+            self.sync_gap_ms = self._calibrate_sync_gap()
 
     def _calibrate_sleep(self) -> float | None:
         """GPU clock cycles per microsecond of ``torch.cuda._sleep`` (None where torch lacks it)."""
@@ -253,11 +263,25 @@ class _Timer:
             rate = _SLEEP_CALIBRATION_CYCLES / (ms * 1e3) if ms > 0 else None
         return rate
 
+    def _calibrate_sync_gap(self) -> float:
+        """Device time between an event whose work is done and one recorded right after the host
+        saw the device idle: what a device-wide span adds to an honest call's event time."""
+        gaps = []
+        for _ in range(_SYNC_GAP_SAMPLES):
+            self.sync()
+            self.end.record()
+            self.sync()
+            self.after.record()
+            self.sync()
+            gaps.append(self.end.elapsed_time(self.after))
+        return float(np.median(gaps))
+
     @property
     def flush_bytes(self) -> int:
         return 0 if self.flush_buffer is None else self.flush_buffer.numel()
 
     def sync(self) -> None:
+        """Wait for all work of this process on the device, on every stream."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
@@ -271,8 +295,15 @@ class _Timer:
         if self.cycles_per_us is not None and lead_us > 0:
             torch.cuda._sleep(int(lead_us * self.cycles_per_us))
 
-    def time_call(self, fn: Callable[[Sequence[Any]], Any], inputs: Sequence[Any], lead_us: float) -> _Rep:
-        """One timed rep (see the module docstring): one call on the CPU, two on a GPU."""
+    def time_call(
+        self,
+        fn: Callable[[Sequence[Any]], Any],
+        inputs: Sequence[Any],
+        lead_us: float,
+        again_inputs: Sequence[Any] | None = None,
+    ) -> _Rep:
+        """One timed rep (see the module docstring): one call on the CPU, two on a GPU (the second
+        on ``again_inputs``, fresh data of its own, when given)."""
         if not self.is_cuda:
             t0 = time.perf_counter()
             out = fn(inputs)
@@ -286,17 +317,20 @@ class _Timer:
         out = fn(inputs)
         host_ms = (time.perf_counter() - t0) * 1e3
         self.end.record()
+        self.sync()  # device-wide: work the call left on other streams is waited for too
+        self.after.record()
         self.sync()
         clock_ms = self.start.elapsed_time(self.end)
+        span_ms = max(clock_ms, self.start.elapsed_time(self.after) - self.sync_gap_ms)
 
         self.flush()
         self.sync()
         t0 = time.perf_counter()
-        again = fn(inputs)
+        again = fn(inputs if again_inputs is None else again_inputs)
         self.sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
         del again
-        return _Rep(out, clock_ms, wall_ms, host_ms)
+        return _Rep(out, clock_ms, wall_ms, host_ms, span_ms)
 
     def replay_host_ms(self, graph: torch.cuda.CUDAGraph, replays: int) -> float:
         """Host time to launch ``replays`` replays of ``graph`` (the lead their timing needs)."""
@@ -318,7 +352,11 @@ class _Timer:
             graph.replay()
         self.end.record()
         self.sync()
-        return self.start.elapsed_time(self.end) / replays
+        self.after.record()
+        self.sync()
+        clock = self.start.elapsed_time(self.end)
+        span = max(clock, self.start.elapsed_time(self.after) - self.sync_gap_ms)
+        return span / replays
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -358,7 +396,53 @@ def _on_device(dev: torch.device) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The protocol
+# Fresh inputs: every timed call gets data no earlier call saw
+# ----------------------------------------------------------------------------------------------
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor, int], Any], counter: list[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        counter[0] += 1
+        return fn(obj, counter[0])
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(o, fn, counter) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn, counter) for k, v in obj.items()}
+    return obj
+
+
+def _has_few_values(t: torch.Tensor) -> bool:
+    """Whether a tensor looks like a mask, labels or one-hot data (few distinct values): its values
+    carry meaning, so fresh data keeps them."""
+    sample = t.detach().reshape(-1)[:_FRESH_PROBE]
+    return int(torch.unique(sample).numel()) <= _FRESH_FEW_VALUES
+
+
+def fresh_inputs(inputs: Sequence[Any], seed: int) -> list[Any]:
+    """New data of the same distribution for one timed call: each floating tensor scaled
+    elementwise by factors drawn uniformly from [0.75, 1.25] under ``seed`` (signs, zeros, masks
+    and labels kept), every other tensor copied. Deterministic for a seed on a device, so the
+    reference's process makes the same data to compute the golden of a judged call."""
+
+    def one(t: torch.Tensor, index: int) -> torch.Tensor:
+        if not t.is_floating_point() or t.numel() == 0 or _has_few_values(t):
+            return t.clone()
+        generator = torch.Generator(device=t.device)
+        generator.manual_seed((seed * 1_000_003 + index) % 2**63)
+        factor = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+        factor.uniform_(1 - _FRESH_SPREAD, 1 + _FRESH_SPREAD, generator=generator)
+        return (t.to(torch.float32) * factor).to(t.dtype) if t.dtype != torch.float64 else t * factor.double()
+
+    return list(_map_tensors(list(inputs), one, [0]))
+
+
+def again_seed(seed: int) -> int:
+    """The fresh-data seed of a rep's second (wall-clock) call."""
+    return (seed ^ 0x5BD1E995) % 2**62
+
+
+# ----------------------------------------------------------------------------------------------
+# A lane: the callables of one process, timed on request
 # ----------------------------------------------------------------------------------------------
 
 
@@ -391,34 +475,209 @@ def _validate_inputs(
         raise ValueError("measure: sample_outputs > 0 needs an on_sample callback")
 
 
-def _warm_up(
-    timer: _Timer,
-    fn: Callable[[Sequence[Any]], Any],
-    input_sets: list[list[Any]],
-    config: TimingConfig,
-    budget_s: float,
-) -> tuple[int, float, float]:
-    """Run ``fn`` until warm; returns ``(calls, estimated ms per timed rep, lead in us)``."""
-    calls = 0
-    costs: list[float] = []  # ms per rep, flush, lead and synchronizations included
-    hosts: list[float] = []
-    lead_us = _LEAD_BASE_US
-    started = time.perf_counter()
-    while True:
-        t0 = time.perf_counter()
-        rep = timer.time_call(fn, input_sets[calls % len(input_sets)], lead_us)
-        rep.out = None  # drop the output now
-        costs.append((time.perf_counter() - t0) * 1e3)
-        hosts.append(rep.host_ms)
-        calls += 1
-        recent = slice(max(1, calls // 2), None) if calls > 1 else slice(None)  # the first may compile
-        lead_us = lead_for(hosts[recent])
-        elapsed = time.perf_counter() - started
-        if calls >= config.warmup_calls and elapsed * 1e3 >= config.warmup_ms:
-            break
-        if calls >= 2 and elapsed >= budget_s:
-            break
-    return calls, float(np.median(costs[recent])), lead_us
+class Lane:
+    """The callables of one process, its input sets and its timer: one side of a benchmark.
+
+    The parent (:func:`run_rounds`) decides everything else: the order of the reps, the input set
+    and fresh-data seed of each, which outputs are kept for judging (told only after the rep),
+    and when to stop. A lane in the candidates' process answers over a sandbox session
+    (:meth:`handle`); in tests it is called directly.
+    """
+
+    def __init__(
+        self,
+        callables: dict[str, Callable[[Sequence[Any]], Any]],
+        input_sets: list[list[Any]],
+        dev: torch.device,
+        config: TimingConfig,
+        *,
+        fresh: bool = True,
+        check_call: Callable[[str, Any], None] | None = None,
+    ) -> None:
+        self.callables = callables
+        self.input_sets = input_sets
+        self.dev = dev
+        self.config = config
+        self.fresh = fresh
+        self.check_call = check_call
+        self.timer = _Timer(dev, config.flush_l2)
+        self.last: dict[str, Any] = {}
+        self.kept: dict[str, list[torch.Tensor]] = {}
+        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.callables)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "names": self.names,
+            "l2_flush_bytes": self.timer.flush_bytes,
+            "lead_kernel": self.timer.cycles_per_us is not None,
+            "sync_gap_ms": self.timer.sync_gap_ms,
+        }
+
+    def inputs_for(self, set_index: int, seed: int | None) -> list[Any]:
+        inputs = self.input_sets[set_index]
+        return fresh_inputs(inputs, seed) if self.fresh and seed is not None else inputs
+
+    def warm_up(self, name: str, budget_s: float) -> dict[str, Any]:
+        """Run ``name`` until it is warm (see the module docstring); sizes its lead."""
+        fn = self.callables[name]
+        calls = 0
+        costs: list[float] = []  # ms per rep, flush, lead and synchronizations included
+        hosts: list[float] = []
+        lead_us = _LEAD_BASE_US
+        started = time.perf_counter()
+        recent = slice(None)
+        while True:
+            t0 = time.perf_counter()
+            rep = self.timer.time_call(fn, self.input_sets[calls % len(self.input_sets)], lead_us)
+            rep.out = None  # drop the output now
+            costs.append((time.perf_counter() - t0) * 1e3)
+            hosts.append(rep.host_ms)
+            calls += 1
+            recent = slice(max(1, calls // 2), None) if calls > 1 else slice(None)  # the first may compile
+            lead_us = lead_for(hosts[recent])
+            elapsed = time.perf_counter() - started
+            if calls >= self.config.warmup_calls and elapsed * 1e3 >= self.config.warmup_ms:
+                break
+            if calls >= 2 and elapsed >= budget_s:
+                break
+        return {"calls": calls, "est_ms": float(np.median(costs[recent])), "lead_us": lead_us}
+
+    def rep(self, name: str, set_index: int, seed: int | None, lead_us: float) -> dict[str, Any]:
+        """One timed rep of ``name`` on fresh data of input set ``set_index``."""
+        self.last.pop(name, None)
+        inputs = self.inputs_for(set_index, seed)
+        again = self.inputs_for(set_index, again_seed(seed)) if seed is not None and self.fresh else None
+        rep = self.timer.time_call(self.callables[name], inputs, lead_us, again)
+        del inputs, again
+        self.last[name] = rep.out
+        if self.check_call is not None:
+            self.check_call(name, rep.out)
+        return {
+            "clock_ms": rep.clock_ms,
+            "wall_ms": rep.wall_ms,
+            "host_ms": rep.host_ms,
+            "span_ms": rep.span_ms,
+        }
+
+    def keep(self, name: str, key: str) -> None:
+        """Keep the output of ``name``'s last rep (on the host) under ``key`` for judging."""
+        out = self.last.pop(name)
+        self.kept[key] = [t.detach().to("cpu").clone() for t in _flat_tensors(out)]
+
+    def output(self, name: str) -> Any:
+        return self.last.get(name)
+
+    def capture_graphs(self) -> str:
+        """Capture every callable as a CUDA graph on input set 0; the reason when one fails."""
+        self.graphs, failure = _capture_graphs(self.callables, self.input_sets[0], self.dev)
+        return failure
+
+    def graph_host_ms(self, name: str, replays: int) -> float:
+        return self.timer.replay_host_ms(self.graphs[name][0], replays)
+
+    def graph_rep(self, name: str, replays: int, lead_us: float) -> float:
+        ms = self.timer.time_replays(self.graphs[name][0], replays, lead_us)
+        if self.check_call is not None:
+            self.check_call(name, self.graphs[name][1])
+        return ms
+
+    def keep_graph(self, name: str, key: str) -> None:
+        """Keep the static output of ``name``'s graph (input set 0) for judging."""
+        self.kept[key] = [t.detach().to("cpu").clone() for t in _flat_tensors(self.graphs[name][1])]
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.timer.sync()
+
+    def handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Serve one request of :class:`RemoteLane` (a sandbox session's message)."""
+        op = message["op"]
+        for key, name in message.get("keep", []):
+            self.keep(name, key)
+        if op == "info":
+            return self.info()
+        if op == "warm_up":
+            return self.warm_up(message["name"], float(message["budget_s"]))
+        if op == "rep":
+            return self.rep(message["name"], int(message["set"]), message["seed"], float(message["lead_us"]))
+        if op == "capture_graphs":
+            return {"failure": self.capture_graphs()}
+        if op == "graph_host_ms":
+            return {"ms": self.graph_host_ms(message["name"], int(message["replays"]))}
+        if op == "graph_rep":
+            return {"ms": self.graph_rep(message["name"], int(message["replays"]), float(message["lead_us"]))}
+        if op == "keep_graph":
+            self.keep_graph(message["name"], message["key"])
+            return {}
+        if op == "drop_graphs":
+            self.drop_graphs()
+            return {}
+        if op == "keep":
+            return {}
+        raise ValueError(f"unknown lane request {op!r}")
+
+
+class RemoteLane:
+    """A :class:`Lane` in a sandboxed child, driven through its session (same methods)."""
+
+    def __init__(self, session: Any, info: dict[str, Any]) -> None:
+        self.session = session
+        self.names: list[str] = list(info["names"])
+        self._info = info
+        self._keep: list[tuple[str, str]] = []
+
+    def _ask(self, op: str, **fields: Any) -> dict[str, Any]:
+        keep, self._keep = self._keep, []
+        return self.session.request({"op": op, "keep": keep, **fields})
+
+    def info(self) -> dict[str, Any]:
+        return self._info
+
+    def warm_up(self, name: str, budget_s: float) -> dict[str, Any]:
+        return self._ask("warm_up", name=name, budget_s=budget_s)
+
+    def rep(self, name: str, set_index: int, seed: int | None, lead_us: float) -> dict[str, Any]:
+        return self._ask("rep", name=name, set=set_index, seed=seed, lead_us=lead_us)
+
+    def keep(self, name: str, key: str) -> None:
+        self._keep.append((key, name))  # sent with the next request, after the rep it is about
+
+    def flush_keeps(self) -> None:
+        if self._keep:
+            self._ask("keep")
+
+    def capture_graphs(self) -> str:
+        return self._ask("capture_graphs")["failure"]
+
+    def graph_host_ms(self, name: str, replays: int) -> float:
+        return self._ask("graph_host_ms", name=name, replays=replays)["ms"]
+
+    def graph_rep(self, name: str, replays: int, lead_us: float) -> float:
+        return self._ask("graph_rep", name=name, replays=replays, lead_us=lead_us)["ms"]
+
+    def keep_graph(self, name: str, key: str) -> None:
+        self._ask("keep_graph", name=name, key=key)
+
+    def drop_graphs(self) -> None:
+        self._ask("drop_graphs")
+
+
+def _flat_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [t for o in out for t in _flat_tensors(o)]
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in _flat_tensors(out[k])]
+    if isinstance(out, bool | int | float):
+        return [torch.tensor(out)]
+    if out is None:
+        return []
+    raise TypeError(f"forward returned {type(out).__name__}; expected tensors")
 
 
 def _capture_graphs(
@@ -467,6 +726,11 @@ def _describe(exc: BaseException) -> str:
     return " <- ".join(parts)
 
 
+# ----------------------------------------------------------------------------------------------
+# The rounds: decided here, run by the lanes
+# ----------------------------------------------------------------------------------------------
+
+
 def measure(
     callables: dict[str, Callable[[Sequence[Any]], Any]],
     input_sets: list[list[Any]],
@@ -477,102 +741,170 @@ def measure(
     sample_outputs: int = 0,
     on_sample: Callable[[str, int, Any], None] | None = None,
     check_call: Callable[[str], None] | None = None,
+    fresh: bool = False,
 ) -> dict[str, Any]:
-    """Time every callable (called as ``fn(input_set)``) by the protocol of the module docstring.
+    """Time every callable (called as ``fn(input_set)``) in this process by the protocol of the
+    module docstring (:func:`run_rounds` over one :class:`Lane`).
 
-    ``sample_outputs=k``: for each callable, ``k`` timed reps (at most the reps planned) chosen at
-    random (seeded) hand ``(name, input_set_index, output)`` to ``on_sample`` right after the rep,
-    outside the timed region. ``check_call(name)`` runs after every timed rep (and graph rep),
-    outside the timed region; whatever either raises propagates.
+    ``sample_outputs=k``: for each callable, ``k`` timed reps chosen at random hand
+    ``(name, input_set_index, output)`` to ``on_sample`` right after the rep, outside the timed
+    region. ``check_call(name)`` runs after every timed rep (and graph rep), outside the timed
+    region; whatever either raises propagates. ``fresh`` gives every timed call fresh data
+    (:func:`fresh_inputs`); off, the rounds rotate through ``input_sets`` as they are.
 
     Returns a JSON-serializable dict: ``clock``, ``device``, ``results`` (per callable: median,
     mean, p10, p90, IQR in ms, ``spread_pct``, ``reps``, ``wall_median_ms``, ``graph_median_ms``,
-    ``host_median_ms``, ``lead_us``, ``lead_short_reps``, ``warmup_calls``, ``samples``),
-    ``ratios`` (per candidate, only with a baseline: ``median``, ``ci_low``, ``ci_high``,
-    ``ci_coverage``, ``significant``, ``wall_median``, ``graph_median``), ``graph``, ``config``,
-    ``l2_flush_bytes``, and how the run went (``rounds``, ``stop_reason``, ``elapsed_s``).
+    ``host_median_ms``, ``lead_us``, ``lead_short_reps``, ``warmup_calls``, ``samples``,
+    ``off_stream_ms``), ``ratios`` (per candidate, only with a baseline: ``median``, ``ci_low``,
+    ``ci_high``, ``ci_coverage``, ``significant``, ``wall_median``, ``graph_median``), ``graph``,
+    ``config``, ``l2_flush_bytes``, and how the run went (``rounds``, ``stop_reason``,
+    ``elapsed_s``).
     """
     _validate_inputs(callables, input_sets, config, baseline, sample_outputs, on_sample)
     dev = _resolve_device(device)
-    started = time.perf_counter()
-    names = list(callables)
-    rng = random.Random(config.seed)
-    floor_rounds = min(_MIN_ROUNDS, config.min_reps)
-
     with _on_device(dev):
-        timer = _Timer(dev, config.flush_l2)
-
-        # Warm-up, one callable after the other; it also sizes each callable's lead.
-        warmup_calls: dict[str, int] = {}
-        lead_us: dict[str, float] = {}
-        round_ms = 0.0
-        share_s = _WARMUP_BUDGET_SHARE * config.max_time_s / len(names)
-        for name in names:
-            warmup_calls[name], est_ms, lead_us[name] = _warm_up(
-                timer, callables[name], input_sets, config, share_s
-            )
-            round_ms += est_ms
-
-        # Rounds planned within the budget; sampled reps are drawn from those.
-        remaining_ms = (config.max_time_s - (time.perf_counter() - started)) * 1e3
-        planned = int(remaining_ms / max(round_ms, 1e-3))
-        planned = max(floor_rounds, min(config.min_reps, planned))
-        samples: dict[str, set[int]] = {
-            name: set(rng.sample(range(planned), min(sample_outputs, planned))) for name in names
-        }
-        last_sample = max((max(s) for s in samples.values() if s), default=-1)
-
-        clock_ms: dict[str, list[float]] = {name: [] for name in names}
-        wall_ms: dict[str, list[float]] = {name: [] for name in names}
-        host_ms: dict[str, list[float]] = {name: [] for name in names}
-        leads_used: dict[str, list[float]] = {name: [] for name in names}
-        lead_short: dict[str, int] = dict.fromkeys(names, 0)
-        rounds = 0
-        stop_reason = ""
-        while not stop_reason:
-            order = names[:]
-            rng.shuffle(order)
-            set_index = rounds % len(input_sets)
-            inputs = input_sets[set_index]
-            for name in order:
-                rep = timer.time_call(callables[name], inputs, lead_us[name])
-                clock_ms[name].append(rep.clock_ms)
-                wall_ms[name].append(rep.wall_ms)
-                host_ms[name].append(rep.host_ms)
-                leads_used[name].append(lead_us[name])
-                if rep.host_ms * 1e3 > lead_us[name]:
-                    lead_short[name] += 1
-                lead_us[name] = lead_for(host_ms[name])
-                if on_sample is not None and rounds in samples[name]:
-                    on_sample(name, set_index, rep.out)
-                del rep
-                if check_call is not None:
-                    check_call(name)
-            rounds += 1
-            if rounds >= config.max_reps:
-                stop_reason = "max_reps"
-            elif (
-                rounds >= max(config.min_reps, 2)
-                and (rounds - config.min_reps) % _STABLE_EVERY == 0
-                and all(_is_stable(clock_ms[name]) for name in names)
-            ):
-                stop_reason = "stable"
-            if (
-                not stop_reason
-                and time.perf_counter() - started >= config.max_time_s
-                and rounds >= floor_rounds
-                and rounds > last_sample
-            ):
-                stop_reason = "time_budget"
-
-        clock_arr = {name: np.asarray(clock_ms[name]) for name in names}
-        wall_arr = {name: np.asarray(wall_ms[name]) for name in names}
-        graph_arr, graph_info = _graph_phase(
-            callables, input_sets, dev, timer, config, rng, clock_arr, started, floor_rounds, check_call
+        lane = Lane(
+            callables,
+            input_sets,
+            dev,
+            config,
+            fresh=fresh,
+            check_call=(lambda name, out: check_call(name)) if check_call is not None else None,
         )
-        l2_flush_bytes = timer.flush_bytes
-        lead_kernel = timer.cycles_per_us is not None
-        del timer
+
+        def sampled(name: str, key: str, set_index: int) -> None:
+            assert on_sample is not None
+            on_sample(name, set_index, lane.output(name))
+
+        return run_rounds(
+            [lane],
+            device=str(dev),
+            config=config,
+            baseline=baseline,
+            sample_outputs=sample_outputs,
+            n_sets=len(input_sets),
+            on_sample=sampled if on_sample is not None else None,
+            seeded=fresh,
+        )
+
+
+def run_rounds(
+    lanes: Sequence[Lane | RemoteLane],
+    *,
+    device: str,
+    config: TimingConfig,
+    baseline: str | None,
+    n_sets: int,
+    sample_outputs: int = 0,
+    sample_names: Sequence[str] | None = None,
+    on_sample: Callable[[str, str, int], None] | None = None,
+    seeded: bool = True,
+) -> dict[str, Any]:
+    """Warm up, then time every callable of every lane in interleaved rounds (module docstring).
+
+    Each round picks an input set and, with ``seeded``, a fresh-data seed from a secret random
+    source; every callable of the round gets the same. ``sample_outputs`` reps of each callable in
+    ``sample_names`` (all when None), chosen from the secret source, are kept for judging: the lane
+    hears which only after the rep (``lane.keep(name, key)``), and ``on_sample(name, key,
+    set_index)`` is called then. ``stats["samples_taken"]`` maps each key to ``(name, set_index,
+    seed)``, what the golden of that output needs.
+    """
+    import secrets as _secrets
+
+    secret = random.Random(_secrets.randbits(64))
+    order_rng = random.Random(config.seed)
+    started = time.perf_counter()
+    owner: dict[str, Lane | RemoteLane] = {name: lane for lane in lanes for name in lane.names}
+    names = list(owner)
+    if baseline is not None and baseline not in owner:
+        raise ValueError(f"measure: baseline {baseline!r} is not one of the callables {sorted(owner)}")
+    floor_rounds = min(_MIN_ROUNDS, config.min_reps)
+    is_cuda = device.startswith("cuda")
+
+    # Warm-up, one callable after the other; it also sizes each callable's lead.
+    warmup_calls: dict[str, int] = {}
+    lead_us: dict[str, float] = {}
+    round_ms = 0.0
+    share_s = _WARMUP_BUDGET_SHARE * config.max_time_s / len(names)
+    for name in names:
+        warm = owner[name].warm_up(name, share_s)
+        warmup_calls[name], lead_us[name] = int(warm["calls"]), float(warm["lead_us"])
+        round_ms += float(warm["est_ms"])
+
+    # Rounds planned within the budget; the judged reps are drawn from those, secretly.
+    remaining_ms = (config.max_time_s - (time.perf_counter() - started)) * 1e3
+    planned = int(remaining_ms / max(round_ms, 1e-3))
+    planned = max(floor_rounds, min(config.min_reps, planned))
+    judged = [n for n in names if sample_names is None or n in sample_names]
+    samples: dict[str, set[int]] = {
+        name: set(secret.sample(range(planned), min(sample_outputs, planned))) for name in judged
+    }
+    last_sample = max((max(s) for s in samples.values() if s), default=-1)
+    taken: dict[str, tuple[str, int, int | None]] = {}
+
+    clock_ms: dict[str, list[float]] = {name: [] for name in names}
+    span_ms: dict[str, list[float]] = {name: [] for name in names}
+    wall_ms: dict[str, list[float]] = {name: [] for name in names}
+    host_ms: dict[str, list[float]] = {name: [] for name in names}
+    leads_used: dict[str, list[float]] = {name: [] for name in names}
+    lead_short: dict[str, int] = dict.fromkeys(names, 0)
+    rounds = 0
+    stop_reason = ""
+    while not stop_reason:
+        order = names[:]
+        order_rng.shuffle(order)
+        set_index = rounds % n_sets
+        seed = secret.randrange(2**62) if seeded else None
+        for name in order:
+            rep = owner[name].rep(name, set_index, seed, lead_us[name])
+            clock_ms[name].append(float(rep["clock_ms"]))
+            span_ms[name].append(float(rep["span_ms"] if rep.get("span_ms") is not None else rep["clock_ms"]))
+            wall_ms[name].append(float(rep["wall_ms"]))
+            host_ms[name].append(float(rep["host_ms"]))
+            leads_used[name].append(lead_us[name])
+            if rep["host_ms"] * 1e3 > lead_us[name]:
+                lead_short[name] += 1
+            lead_us[name] = lead_for(host_ms[name])
+            if name in samples and rounds in samples[name]:
+                key = f"timed:{name}:{rounds}"
+                taken[key] = (name, set_index, seed)
+                if on_sample is not None:
+                    on_sample(name, key, set_index)
+                owner[name].keep(name, key)
+        rounds += 1
+        if rounds >= config.max_reps:
+            stop_reason = "max_reps"
+        elif (
+            rounds >= max(config.min_reps, 2)
+            and (rounds - config.min_reps) % _STABLE_EVERY == 0
+            and all(_is_stable(clock_ms[name]) for name in names)
+        ):
+            stop_reason = "stable"
+        if (
+            not stop_reason
+            and time.perf_counter() - started >= config.max_time_s
+            and rounds >= floor_rounds
+            and rounds > last_sample
+        ):
+            stop_reason = "time_budget"
+    for lane in lanes:
+        if isinstance(lane, RemoteLane):
+            lane.flush_keeps()
+
+    # Work the events did not see (left running on another stream, or deferred) shows as a
+    # device-wide span longer than the event time: then the span is the time.
+    off_stream: dict[str, float] = {}
+    for name in names:
+        excess = float(np.median(np.asarray(span_ms[name]) - np.asarray(clock_ms[name])))
+        if is_cuda and excess > max(_OFF_STREAM_ABS_MS, _OFF_STREAM_REL * float(np.median(clock_ms[name]))):
+            off_stream[name] = excess
+            clock_ms[name] = span_ms[name]
+    clock_arr = {name: np.asarray(clock_ms[name]) for name in names}
+    wall_arr = {name: np.asarray(wall_ms[name]) for name in names}
+    graph_arr, graph_info = _graph_phase(
+        lanes, owner, is_cuda, config, order_rng, clock_arr, started, floor_rounds
+    )
+    lead_kernel = all(lane.info()["lead_kernel"] for lane in lanes)
 
     results: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -582,9 +914,10 @@ def measure(
         entry["host_median_ms"] = float(np.median(host_ms[name]))
         entry["graph_median_ms"] = float(np.median(graph_arr[name])) if name in graph_arr else None
         entry["warmup_calls"] = warmup_calls[name]
-        entry["samples"] = len(samples[name])
+        entry["samples"] = len(samples.get(name, ()))
         entry["lead_us"] = float(np.median(leads_used[name])) if lead_kernel else 0.0
         entry["lead_short_reps"] = lead_short[name] if lead_kernel else 0
+        entry["off_stream_ms"] = off_stream.get(name)
         results[name] = entry
 
     ratios: dict[str, dict[str, Any]] = {}
@@ -595,7 +928,7 @@ def measure(
             paired = _paired_ratios(clock_arr[baseline], clock_arr[name])
             low, high, coverage = median_ci(paired)
             graph_ratio = None
-            if name in graph_arr:
+            if name in graph_arr and baseline in graph_arr:
                 graph_ratio = float(np.median(_paired_ratios(graph_arr[baseline], graph_arr[name])))
             ratios[name] = {
                 "median": float(np.median(paired)),
@@ -608,19 +941,20 @@ def measure(
             }
 
     return {
-        "clock": CLOCK_CUDA if dev.type == "cuda" else CLOCK_CPU,
-        "device": str(dev),
+        "clock": CLOCK_CUDA if is_cuda else CLOCK_CPU,
+        "device": device,
         "baseline": baseline,
         "results": results,
         "ratios": ratios,
         "ci_method": CI_METHOD,
         "graph": graph_info,
         "config": asdict(config),
-        "l2_flush_bytes": l2_flush_bytes,
-        "input_sets": len(input_sets),
+        "l2_flush_bytes": max(int(lane.info()["l2_flush_bytes"]) for lane in lanes),
+        "input_sets": n_sets,
         "rounds": rounds,
         "stop_reason": stop_reason,
         "elapsed_s": time.perf_counter() - started,
+        "samples_taken": {k: list(v) for k, v in taken.items()},
     }
 
 
@@ -633,20 +967,20 @@ def _is_stable(times: list[float]) -> bool:
 
 
 def _graph_phase(
-    callables: dict[str, Callable[[Sequence[Any]], Any]],
-    input_sets: list[list[Any]],
-    dev: torch.device,
-    timer: _Timer,
+    lanes: Sequence[Lane | RemoteLane],
+    owner: dict[str, Lane | RemoteLane],
+    is_cuda: bool,
     config: TimingConfig,
     rng: random.Random,
     clock_arr: dict[str, np.ndarray],
     started: float,
     floor_rounds: int,
-    check_call: Callable[[str], None] | None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """CUDA-graph replay timings of every callable, or of none; ``(times per name, info)``."""
+    """CUDA-graph replay timings of every callable, or of none; ``(times per name, info)``.
+
+    Each graph's static output is kept for judging (``graph:NAME``, input set 0)."""
     info: dict[str, Any] = {"used": False, "reason": "", "replays": {}, "lead_us": {}, "rounds": 0}
-    if dev.type != "cuda":
+    if not is_cuda:
         info["reason"] = "CPU: no CUDA graphs"
         return {}, info
     medians_us = {name: float(np.median(times)) * 1e3 for name, times in clock_arr.items()}
@@ -654,10 +988,13 @@ def _graph_phase(
     if medians_us[fastest] >= config.graph_threshold_us:
         info["reason"] = f"every callable's median is at least {config.graph_threshold_us:g} us"
         return {}, info
-    graphs, failure = _capture_graphs(callables, input_sets[0], dev)
-    if failure:
-        info["reason"] = failure
-        return {}, info
+    for lane in lanes:
+        failure = lane.capture_graphs()
+        if failure:
+            for other in lanes:
+                other.drop_graphs()
+            info["reason"] = failure
+            return {}, info
 
     replays = {
         name: int(
@@ -665,24 +1002,22 @@ def _graph_phase(
         )
         for name, us in medians_us.items()
     }
-    leads = {
-        name: lead_for([timer.replay_host_ms(graph, replays[name])]) for name, (graph, _) in graphs.items()
-    }
+    leads = {name: lead_for([owner[name].graph_host_ms(name, replays[name])]) for name in owner}
     max_rounds = min(_GRAPH_MAX_ROUNDS, max(config.min_reps, floor_rounds))
-    times: dict[str, list[float]] = {name: [] for name in graphs}
+    times: dict[str, list[float]] = {name: [] for name in owner}
     rounds = 0
     while rounds < max_rounds:
-        order = list(graphs)
+        order = list(owner)
         rng.shuffle(order)
         for name in order:
-            times[name].append(timer.time_replays(graphs[name][0], replays[name], leads[name]))
-            if check_call is not None:
-                check_call(name)
+            times[name].append(owner[name].graph_rep(name, replays[name], leads[name]))
         rounds += 1
         if rounds >= floor_rounds and time.perf_counter() - started >= config.max_time_s:
             break
-    graphs.clear()
-    torch.cuda.synchronize(dev)
+    for name in owner:
+        owner[name].keep_graph(name, f"graph:{name}")
+    for lane in lanes:
+        lane.drop_graphs()
     info.update(
         used=True,
         reason=(
@@ -690,7 +1025,7 @@ def _graph_phase(
             "every callable also timed as CUDA graph replays (input set 0, one L2 flush per batch)"
         ),
         replays=replays,
-        lead_us=leads if timer.cycles_per_us is not None else {},
+        lead_us=leads if all(lane.info()["lead_kernel"] for lane in lanes) else {},
         rounds=rounds,
     )
     return {name: np.asarray(t) for name, t in times.items()}, info
@@ -735,8 +1070,14 @@ def compile_baseline(
 
 
 # ----------------------------------------------------------------------------------------------
-# Parent side: one sandboxed child times the baselines and the candidates together
+# Parent side: the reference's process and the candidates' process, timed in lockstep
 # ----------------------------------------------------------------------------------------------
+
+#: Judged timed calls per candidate (fewer when its outputs are large: see _JUDGED_BYTES). A
+#: candidate that is wrong on half of its calls (the least that moves a median) escapes 12 secret
+#: samples with probability 2**-12.
+JUDGED_CALLS = 12
+_JUDGED_BYTES = 2 * 1024**3  # host memory for the judged outputs of one candidate, at most
 
 
 def benchmark(
@@ -750,88 +1091,238 @@ def benchmark(
     quick: bool = False,
     golden: Golden | None = None,
     task_path: str = "task.py",
-    sample_outputs: int = 3,
+    sample_outputs: int = JUDGED_CALLS,
     hotspots: bool = False,
     settings: Settings | None = None,
 ) -> BenchmarkResult:
-    """Time eager, the ``torch.compile`` baselines and ``candidates`` ({name: (source, path)}) together.
+    """Time eager, the ``torch.compile`` baselines and ``candidates`` ({name: (source, path)}).
 
-    With ``hotspots`` the same child then ranks the reference's kernels and measures its work
-    (:func:`kernelcrew.tools.harness.profile_reference`, under ``"profile"``): one process start
-    and one load of the inputs fewer than a separate profile run.
+    The reference (eager and compiled) runs in a sandboxed process that never imports candidate
+    code; the candidates run in another. This process decides the rounds and asks each side for
+    one rep at a time, so the two are interleaved rep by rep and drift still cancels. Every timed
+    call gets fresh data; ``sample_outputs`` timed calls of each candidate, chosen from a secret
+    random source and named to the candidates' process only after they ran, are judged against
+    the float64 golden of the same data, computed afterwards in the reference's process. A
+    candidate that is wrong when not checked fails here (``failure``).
 
-    With a ``golden`` (:func:`kernelcrew.tools.correctness.make_golden`), the timing uses the
-    verified input sets and weights (its device, precision and seed apply), and the outputs of
-    randomly chosen timed calls are judged against it: a candidate that is right only when checked
-    fails here (``failure``). Without one, inputs come from ``get_inputs()`` under ``seed``.
+    With a ``golden`` (:func:`kernelcrew.tools.correctness.make_golden`) the timing uses its input
+    sets and weights (its device, precision and seed apply); without one, inputs come from
+    ``get_inputs()`` under ``seed``. With ``hotspots`` the reference's process then ranks the
+    reference's kernels (:func:`kernelcrew.tools.harness.profile_reference`, under ``"profile"``).
     """
     import secrets
-    import shutil
 
-    from kernelcrew.tools import sandbox
-    from kernelcrew.tools.build import cache_dirs
-    from kernelcrew.tools.correctness import child_env, compare_output, share_inputs, tolerance_for
+    from kernelcrew.tools.correctness import op_class
+    from kernelcrew.tools.sandbox import ChannelError
 
     if golden is not None:
         device, precision, seed = golden.device, golden.precision, golden.seed
     seed = secrets.randbits(31) if seed is None else int(seed)
-    workdir = sandbox.make_workdir("kc-bench-")
-    env = child_env(device, *(source for source, _ in candidates.values()))
     payload: dict[str, Any] = {
         "device": device,
         "seed": seed,
         "precision": precision,
         "task_source": task_source,
         "task_path": task_path,
-        "compile_modes": list(compile_modes),
-        "candidates": {name: {"source": src, "path": path} for name, (src, path) in candidates.items()},
         "quick": quick,
-        "sample_outputs": sample_outputs if golden else 0,
-        "hotspots": hotspots,
     }
-    set_indices: list[int] = []
-    writable = tuple(cache_dirs(src)["root"] for src, _ in candidates.values())
-    try:
-        if golden is not None:
-            # Time on the seed sets of the task's main shape (the test sets are for correctness).
-            set_indices = [r["index"] for r in golden.meta["sets"] if r["origin"] == "seed"][:4]
-            payload["set_indices"] = set_indices
-            share_inputs(golden, workdir, settings)
-        res = sandbox.run(
-            "kernelcrew.tools.harness:benchmark_child",
-            payload,
-            workdir=workdir,
-            env=env,
-            settings=settings,
-            writable=writable,
-        )
-        if not res.ok:
-            stage = (res.value or {}).get("stage") or {"timeout": "timeout", "crashed": "crash"}.get(
-                res.status, "timing"
-            )
-            failure = TimingFailure(stage=stage, message=f"timing run failed: {res.message}")
+    if golden is not None:
+        # Time on the seed sets of the task's main shape (the test sets are for correctness).
+        payload["set_indices"] = [r["index"] for r in golden.meta["sets"] if r["origin"] == "seed"][:4]
+    with _Sides(task_source, candidates, payload, compile_modes, golden, settings) as sides:
+        failure = sides.start()
+        if failure is not None:
             return BenchmarkResult(failure=failure, seed=seed)
-        result = BenchmarkResult.model_validate({**(res.value or {}), "seed": seed})
-        samples_path = workdir / "child" / "samples.pt"
-        if golden is not None and samples_path.exists():
-            samples = torch.load(samples_path, weights_only=True, mmap=True)
-            gold = torch.load(golden.path / "golden.pt", weights_only=True, mmap=True)
-            native = torch.load(golden.path / "native.pt", weights_only=True, mmap=True)
-            checked = 0
-            for key, outs in samples.items():
-                name, _, local = key.rsplit(":", 2)
-                idx = set_indices[int(local)]
-                for c, g, n in zip(outs, gold[idx], native[idx], strict=False):
-                    tol = tolerance_for(str(n.dtype).replace("torch.", ""), golden.op_class, precision)
-                    verdict = compare_output(c, g, n, tol)
-                    checked += 1
-                    if not verdict["ok"]:
-                        result.failure = TimingFailure(
-                            stage="timed_output",
-                            message=f"{name}: the output of a timed call on input set {idx} is wrong: {verdict['message']}",
-                        )
-                        break
+        ref_info, cand_info = sides.infos
+        config = TimingConfig.quick() if quick else TimingConfig()
+        out_bytes = max(1, int(ref_info["output_bytes"]))
+        judged_calls = max(2, min(sample_outputs, _JUDGED_BYTES // out_bytes)) if sample_outputs else 0
+        try:
+            stats = run_rounds(
+                sides.lanes,
+                device=device,
+                config=config,
+                baseline="eager",
+                n_sets=len(payload.get("set_indices", ())) or 3,
+                sample_outputs=judged_calls,
+                sample_names=list(candidates),
+                seeded=True,
+            )
+            judged = dict(stats.pop("samples_taken"))
+            if stats["graph"]["used"]:
+                judged.update({f"graph:{name}": [name, 0, None] for name in candidates})
+            profile = None
+            if judged:
+                sides.reference.request({"op": "golden", "samples": judged})
+            if hotspots:
+                profile = sides.reference.request({"op": "profile"})
+        except ChannelError as exc:  # a side that broke explains itself in its record
+            return BenchmarkResult(failure=sides.failure(exc), seed=seed)
+        closing = sides.close()
+        if closing is not None:
+            return BenchmarkResult(failure=closing, seed=seed)
+        result = BenchmarkResult.model_validate(
+            {
+                **stats,
+                "seed": seed,
+                "compile_s": ref_info["compile_s"],
+                "compile_errors": ref_info["compile_errors"],
+                "builds": cand_info.get("builds", {}),
+                "hardware": ref_info["hardware"],
+                "versions": ref_info["versions"],
+                **({"profile": profile} if profile is not None else {}),
+            }
+        )
+        if judged:
+            cls = golden.op_class if golden is not None else op_class(ref_info["reference_ops"])
+            checked, failure = sides.judge(judged, cls, precision)
             result.samples_checked = checked
+            if failure is not None:
+                result.failure = failure
         return result
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _Sides:
+    """The two sandboxed processes of a benchmark and their work directories."""
+
+    def __init__(
+        self,
+        task_source: str,
+        candidates: dict[str, tuple[str, str]],
+        payload: dict[str, Any],
+        compile_modes: Sequence[str],
+        golden: Golden | None,
+        settings: Settings | None,
+    ) -> None:
+        from kernelcrew.tools import sandbox
+
+        self.candidates = candidates
+        self.payload = payload
+        self.compile_modes = list(compile_modes)
+        self.golden = golden
+        self.settings = settings
+        self.ref_dir = sandbox.make_workdir("kc-ref-")
+        self.cand_dir = sandbox.make_workdir("kc-bench-")
+        self.reference: Any = None
+        self.candidate: Any = None
+        self.lanes: list[RemoteLane] = []
+        self.infos: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+
+    def __enter__(self) -> _Sides:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import shutil
+
+        for session in (self.reference, self.candidate):
+            if session is not None and session.result is None:
+                session.kill("the benchmark ended")
+        shutil.rmtree(self.ref_dir, ignore_errors=True)
+        shutil.rmtree(self.cand_dir, ignore_errors=True)
+
+    def start(self) -> TimingFailure | None:
+        """Start both processes (they load, compile and build at the same time) and wait for both."""
+        from kernelcrew.tools import sandbox
+        from kernelcrew.tools.build import cache_dirs
+        from kernelcrew.tools.correctness import child_env, share_inputs
+
+        device = self.payload["device"]
+        # Two processes take turns: OpenMP threads of the idle one must sleep, not spin on the
+        # cores the other one is being timed on.
+        env = {"OMP_WAIT_POLICY": "PASSIVE"}
+        if self.golden is not None:
+            share_inputs(self.golden, self.ref_dir, self.settings)
+            share_inputs(self.golden, self.cand_dir, self.settings)
+        sources = [src for src, _ in self.candidates.values()]
+        started = sandbox.start(
+            "kernelcrew.tools.harness:reference_server",
+            {**self.payload, "compile_modes": self.compile_modes},
+            workdir=self.ref_dir,
+            env={**child_env(device), **env},
+            settings=self.settings,
+        )
+        if isinstance(started, sandbox.SandboxResult):
+            return _side_failure("reference", started)
+        self.reference = started
+        started = sandbox.start(
+            "kernelcrew.tools.harness:candidate_server",
+            {
+                **self.payload,
+                "candidates": {
+                    name: {"source": src, "path": path} for name, (src, path) in self.candidates.items()
+                },
+            },
+            workdir=self.cand_dir,
+            env={**child_env(device, *sources), **env},
+            settings=self.settings,
+            writable=tuple(cache_dirs(src)["root"] for src in sources),
+        )
+        if isinstance(started, sandbox.SandboxResult):
+            return _side_failure("candidates", started)
+        self.candidate = started
+        try:
+            ref_info = self.reference.request({"op": "ready"})
+            cand_info = self.candidate.request({"op": "ready"}) if self.candidates else {"names": []}
+        except sandbox.ChannelError as exc:
+            return self.failure(exc)
+        self.infos = (ref_info, cand_info)
+        self.lanes = [RemoteLane(self.reference, ref_info)]
+        if self.candidates:
+            self.lanes.append(RemoteLane(self.candidate, cand_info))
+        return None
+
+    def failure(self, exc: BaseException) -> TimingFailure:
+        """What went wrong, from the record of the side that broke (or from ``exc``)."""
+        for side, session in (("candidates", self.candidate), ("reference", self.reference)):
+            if session is None:
+                continue
+            alive = session.result is None and session._child.proc.poll() is None
+            if alive:
+                continue
+            return _side_failure(side, session.close())
+        return TimingFailure(stage="timing", message=f"timing run failed: {_describe(exc)}")
+
+    def close(self) -> TimingFailure | None:
+        for side, session in (("reference", self.reference), ("candidates", self.candidate)):
+            result = session.close()
+            if not result.ok:
+                return _side_failure(side, result)
+        return None
+
+    def judge(self, judged: dict[str, Any], cls: str, precision: str) -> tuple[int, TimingFailure | None]:
+        """Every kept output of a timed call against the golden of the same data."""
+        from kernelcrew.tools.correctness import compare_output, tolerance_for
+
+        samples_path = self.cand_dir / "child" / "samples.pt"
+        goldens_path = self.ref_dir / "child" / "judged.pt"
+        samples = torch.load(samples_path, weights_only=True) if samples_path.exists() else {}
+        goldens = torch.load(goldens_path, weights_only=True)
+        checked = 0
+        for key, (name, set_index, _seed) in judged.items():
+            where = "its CUDA graph's output" if key.startswith("graph:") else "the output of a timed call"
+            outs, gold = samples.get(key), goldens[key]
+            if outs is None:
+                return checked, TimingFailure(stage="timed_output", message=f"{name}: {where} was not kept")
+            if len(outs) != len(gold["golden"]):
+                return checked, TimingFailure(
+                    stage="timed_output",
+                    message=f"{name}: {where} has {len(outs)} tensors; the reference gives {len(gold['golden'])}",
+                )
+            for c, g, n in zip(outs, gold["golden"], gold["native"], strict=True):
+                tol = tolerance_for(str(n.dtype).replace("torch.", ""), cls, precision)
+                verdict = compare_output(c, g, n, tol)
+                checked += 1
+                if not verdict["ok"]:
+                    return checked, TimingFailure(
+                        stage="timed_output",
+                        message=f"{name}: {where} on input set {set_index} (fresh data) is wrong: "
+                        f"{verdict['message']}",
+                    )
+        return checked, None
+
+
+def _side_failure(side: str, res: Any) -> TimingFailure:
+    stage = (res.value or {}).get("stage") or {"timeout": "timeout", "crashed": "crash"}.get(
+        res.status, "timing"
+    )
+    return TimingFailure(stage=stage, message=f"timing run failed ({side}): {res.message}")

@@ -132,3 +132,16 @@ def leave_links(payload, workdir):
     os.mkfifo("fifo")
     Path("plain.txt").write_text("ok")
     return {}
+
+
+def serve_echo(payload, workdir, channel):
+    """A session target: answers each request with its own content, then reports how many it saw."""
+    seen = 0
+    while (message := channel.receive()) is not None:
+        seen += 1
+        if message.get("die"):
+            os._exit(9)
+        if message.get("forge"):  # user code writing a reply of its own, out of turn
+            os.write(channel._reply_fd, b'{"forged": true, "seq": 0}\n')
+        channel.reply({"echo": message["value"], "pid": os.getpid()})
+    return {"requests": seen}

@@ -285,3 +285,26 @@ def test_the_default_memory_limit_is_sized_from_the_machine(tmp_path, monkeypatc
     assert machine_memory_limit(tmp_path / "missing") == 32 * 1024**3
     assert SandboxLimits.from_settings(Settings(sandbox_memory_mb=0)).memory_bytes == machine_memory_limit()
     assert SandboxLimits.from_settings(Settings(sandbox_memory_mb=2048)).memory_bytes == 2048 * 1024**2
+
+
+def test_session_serves_requests_in_turn():
+    session = sandbox.start("tests.unit.sandbox_targets:serve_echo", {})
+    assert isinstance(session, sandbox.Session)
+    assert session.request({"value": 1})["echo"] == 1
+    assert [session.request({"value": i})["echo"] for i in range(5)] == list(range(5))
+    result = session.close()
+    assert result.ok, result.message
+    assert result.value == {"requests": 6}
+
+
+def test_session_child_that_dies_or_forges_is_a_channel_error():
+    session = sandbox.start("tests.unit.sandbox_targets:serve_echo", {})
+    with pytest.raises(sandbox.ChannelError, match="closed its reply channel"):
+        session.request({"value": 1, "die": True})
+    assert not session.close().ok
+
+    session = sandbox.start("tests.unit.sandbox_targets:serve_echo", {})
+    with pytest.raises(sandbox.ChannelError, match="out of turn"):
+        session.request({"value": 1, "forge": True})
+    session.kill("forged a reply")
+    assert session.result is not None and not session.result.ok

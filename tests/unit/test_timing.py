@@ -163,7 +163,7 @@ def test_sample_outputs_come_from_timed_calls() -> None:
             assert torch.equal(value, input_sets[idx][0] * factor)
 
 
-def test_sample_outputs_are_reproducible_and_capped() -> None:
+def test_sample_outputs_are_secret_and_capped() -> None:
     def run(k: int, seed: int = 0) -> list[tuple[str, int, int]]:
         got: list[tuple[str, int, int]] = []
         measure(
@@ -179,8 +179,9 @@ def test_sample_outputs_are_reproducible_and_capped() -> None:
     first = run(3)
     assert len(first) == 6
     assert all(idx == value for _, idx, value in first)  # the output of the call on that input set
-    assert first == run(3)  # seeded: the same reps are sampled
-    assert any(run(3, seed=s) != first for s in range(1, 4))
+    # The judged reps come from a secret source, not from the configuration's seed: a candidate
+    # that read the seed cannot tell which of its calls are judged.
+    assert any(run(3) != first for _ in range(4))
     capped = run(50)  # more samples than reps: every rep is sampled once
     assert [idx for name, idx, _ in capped if name == "a"] == [r % 7 for r in range(10)]
 

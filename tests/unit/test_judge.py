@@ -1,0 +1,151 @@
+"""The timing judge against candidates that behave only when checked or sabotage the baseline (CPU)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from kernelcrew.config import Settings
+from kernelcrew.tools.correctness import make_golden
+from kernelcrew.tools.timing import benchmark, fresh_inputs
+
+TASK = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) * 2 + 1
+
+    def get_inputs():
+        return [torch.randn(256, 64)]
+
+    def get_init_inputs():
+        return []
+    """
+)
+
+HONEST = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+
+    class ModelNew(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) * 2 + 1
+    """
+)
+
+# Slows every nn.Module call of its process by 20 ms: in a shared process the eager baseline would
+# be 20 ms slower and the candidate would look about as fast as the reference.
+SABOTAGE = textwrap.dedent(
+    """
+    import time
+    import torch
+    import torch.nn as nn
+
+    torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: time.sleep(0.02))
+
+    class ModelNew(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) * 2 + 1
+    """
+)
+
+# Right on its first calls (those a verifier makes), then returns the first answer again.
+LATE_CHEAT = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+
+    class ModelNew(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+            self.kept = None
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls <= 4 or self.kept is None:
+                self.kept = torch.tanh(x) * 2 + 1
+            return self.kept.clone()
+    """
+)
+
+# Returns nothing once it has been called a few times.
+RETURNS_NOTHING = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+
+    class ModelNew(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return torch.tanh(x) * 2 + 1 if self.calls <= 4 else None
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    made = make_golden(TASK, device="cpu", seed=99, settings=Settings(sandbox_timeout_s=120))
+    yield made
+    made.cleanup()
+
+
+def run(golden, source: str):
+    return benchmark(
+        TASK,
+        {"cand": (source, "candidate.py")},
+        golden=golden,
+        quick=True,
+        settings=Settings(sandbox_timeout_s=120),
+    )
+
+
+def test_honest_candidate_passes_and_its_timed_outputs_are_judged(golden):
+    result = run(golden, HONEST)
+    assert result.failure is None, result.failure
+    assert result.samples_checked and result.samples_checked >= 2
+    assert result.results["cand"].samples == result.samples_checked
+
+
+def test_a_candidate_cannot_slow_the_baseline_down(golden):
+    result = run(golden, SABOTAGE)
+    assert result.failure is None, result.failure
+    assert result.results["eager"].median_ms < 10, result.results["eager"]
+    assert result.results["cand"].median_ms > 20  # its own process pays for its hook
+    assert not result.ratios["cand"].significant or result.ratios["cand"].median < 1
+
+
+@pytest.mark.parametrize("source", [LATE_CHEAT, RETURNS_NOTHING], ids=["stale", "nothing"])
+def test_a_candidate_wrong_on_timed_calls_fails(golden, source):
+    result = run(golden, source)
+    assert result.failure is not None
+    assert result.failure.stage == "timed_output", result.failure
+
+
+def test_fresh_inputs_are_new_data_of_the_same_kind():
+    x = torch.randn(64, 32)
+    positive = torch.rand(1000)
+    mask = (torch.rand(64, 32) > 0.5).float()
+    labels = torch.randint(0, 10, (50,))
+    inputs = [x, [positive, {"m": mask}], labels, 3]
+    a, b = fresh_inputs(inputs, 5), fresh_inputs(inputs, 5)
+    c = fresh_inputs(inputs, 6)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])  # deterministic per seed
+    assert not torch.equal(a[0], x)
+    assert torch.equal(torch.sign(a[0]), torch.sign(x))  # signs and zeros kept
+    ratio = a[0] / x
+    assert float(ratio.min()) >= 0.75 - 1e-6 and float(ratio.max()) <= 1.25 + 1e-6
+    assert bool((a[1][0] >= 0).all()) and not torch.equal(a[1][0], positive)
+    assert torch.equal(a[1][1]["m"], mask)  # a mask keeps its values
+    assert torch.equal(a[2], labels) and a[3] == 3
+    assert a[0].data_ptr() != x.data_ptr() and a[2].data_ptr() != labels.data_ptr()
