@@ -33,8 +33,8 @@ def one_run(tree: Path, args: argparse.Namespace) -> dict:
         "-m",
         "kernelcrew",
         "verify",
-        args.task,
-        args.candidate,
+        str(Path(args.task).resolve()),
+        str(Path(args.candidate).resolve()),
         "--device",
         args.device,
         "--compile-modes",
@@ -42,7 +42,14 @@ def one_run(tree: Path, args: argparse.Namespace) -> dict:
         "--json",
     ]
     started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        cmd,
+        cwd=tree,  # python -m imports from its working directory first
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.monotonic() - started
     try:
         report = json.loads(proc.stdout)

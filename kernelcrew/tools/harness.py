@@ -767,20 +767,21 @@ def reference_server(payload: dict[str, Any], workdir: Path, channel: Any) -> di
 def _judged_goldens(
     model: Any, dev_sets: list[Any], samples: dict[str, list[Any]], device: str, out_dir: Path
 ) -> None:
-    """The float64 golden and the native output of each judged call ``{key: [name, set, seed]}``
-    (the same fresh data the candidate got), saved to ``judged.pt`` for the parent."""
+    """The float64 golden and the native output of each judged call ``{key: [name, set, seed,
+    pick]}`` (the same fresh data the candidate got, the same elements picked), saved to
+    ``judged.pt`` for the parent."""
     import torch
 
     from kernelcrew.tools import timing
 
     model64 = copy.deepcopy(model).to(torch.float64).eval()
     judged: dict[str, dict[str, Any]] = {}
-    for key, (_name, set_index, seed) in samples.items():
+    for key, (_name, set_index, seed, pick) in samples.items():
         inputs = dev_sets[set_index] if seed is None else timing.fresh_inputs(dev_sets[set_index], seed)
         with torch.no_grad():
-            native = [t.detach().to("cpu").clone() for t in flatten_outputs(model(*inputs))]
+            native = timing.pick_elements(flatten_outputs(model(*inputs)), pick)
         golden, mode = _run_golden(model64, model, inputs, device)
-        judged[key] = {"golden": golden, "native": native, "mode": mode}
+        judged[key] = {"golden": timing.pick_elements(golden, pick), "native": native, "mode": mode}
     torch.save(judged, out_dir / "judged.pt")
 
 

@@ -436,6 +436,23 @@ def fresh_inputs(inputs: Sequence[Any], seed: int) -> list[Any]:
     return list(_map_tensors(list(inputs), one, [0]))
 
 
+def pick_elements(tensors: Sequence[torch.Tensor], pick: int | None) -> list[dict[str, Any]]:
+    """What is judged of an output: each tensor's shape and dtype, and all of its elements or, for a
+    tensor of more than ``JUDGED_ELEMENTS``, that many at positions drawn from ``pick`` (on the
+    CPU's generator: the reference's process draws the same ones for the golden). The positions
+    are chosen after the call returned, so a wrong element anywhere is as likely to be judged as
+    any other; every element of the verification calls is judged in full."""
+    kept = []
+    for i, t in enumerate(tensors):
+        flat = t.detach().reshape(-1)
+        if pick is not None and flat.numel() > JUDGED_ELEMENTS:
+            generator = torch.Generator().manual_seed((pick * 1_000_003 + i) % 2**63)
+            index = torch.randint(0, flat.numel(), (JUDGED_ELEMENTS,), generator=generator)
+            flat = flat[index.to(flat.device)]
+        kept.append({"values": flat.to("cpu").clone(), "shape": list(t.shape), "dtype": str(t.dtype)})
+    return kept
+
+
 def again_seed(seed: int) -> int:
     """The fresh-data seed of a rep's second (wall-clock) call."""
     return (seed ^ 0x5BD1E995) % 2**62
@@ -563,10 +580,9 @@ class Lane:
             "span_ms": rep.span_ms,
         }
 
-    def keep(self, name: str, key: str) -> None:
-        """Keep the output of ``name``'s last rep (on the host) under ``key`` for judging."""
-        out = self.last.pop(name)
-        self.kept[key] = [t.detach().to("cpu").clone() for t in _flat_tensors(out)]
+    def keep(self, name: str, key: str, pick: int | None) -> None:
+        """Keep what is judged of ``name``'s last output (:func:`pick_elements`) under ``key``."""
+        self.kept[key] = pick_elements(_flat_tensors(self.last.pop(name)), pick)
 
     def output(self, name: str) -> Any:
         return self.last.get(name)
@@ -585,9 +601,9 @@ class Lane:
             self.check_call(name, self.graphs[name][1])
         return ms
 
-    def keep_graph(self, name: str, key: str) -> None:
-        """Keep the static output of ``name``'s graph (input set 0) for judging."""
-        self.kept[key] = [t.detach().to("cpu").clone() for t in _flat_tensors(self.graphs[name][1])]
+    def keep_graph(self, name: str, key: str, pick: int | None) -> None:
+        """Keep what is judged of the static output of ``name``'s graph (input set 0)."""
+        self.kept[key] = pick_elements(_flat_tensors(self.graphs[name][1]), pick)
 
     def drop_graphs(self) -> None:
         self.graphs.clear()
@@ -596,8 +612,8 @@ class Lane:
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         """Serve one request of :class:`RemoteLane` (a sandbox session's message)."""
         op = message["op"]
-        for key, name in message.get("keep", []):
-            self.keep(name, key)
+        for key, name, pick in message.get("keep", []):
+            self.keep(name, key, pick)
         if op == "info":
             return self.info()
         if op == "warm_up":
@@ -611,7 +627,7 @@ class Lane:
         if op == "graph_rep":
             return {"ms": self.graph_rep(message["name"], int(message["replays"]), float(message["lead_us"]))}
         if op == "keep_graph":
-            self.keep_graph(message["name"], message["key"])
+            self.keep_graph(message["name"], message["key"], message["pick"])
             return {}
         if op == "drop_graphs":
             self.drop_graphs()
@@ -628,7 +644,7 @@ class RemoteLane:
         self.session = session
         self.names: list[str] = list(info["names"])
         self._info = info
-        self._keep: list[tuple[str, str]] = []
+        self._keep: list[tuple[str, str, int | None]] = []
 
     def _ask(self, op: str, **fields: Any) -> dict[str, Any]:
         keep, self._keep = self._keep, []
@@ -643,8 +659,8 @@ class RemoteLane:
     def rep(self, name: str, set_index: int, seed: int | None, lead_us: float) -> dict[str, Any]:
         return self._ask("rep", name=name, set=set_index, seed=seed, lead_us=lead_us)
 
-    def keep(self, name: str, key: str) -> None:
-        self._keep.append((key, name))  # sent with the next request, after the rep it is about
+    def keep(self, name: str, key: str, pick: int | None) -> None:
+        self._keep.append((key, name, pick))  # sent with the next request, after the rep it is about
 
     def flush_keeps(self) -> None:
         if self._keep:
@@ -659,8 +675,8 @@ class RemoteLane:
     def graph_rep(self, name: str, replays: int, lead_us: float) -> float:
         return self._ask("graph_rep", name=name, replays=replays, lead_us=lead_us)["ms"]
 
-    def keep_graph(self, name: str, key: str) -> None:
-        self._ask("keep_graph", name=name, key=key)
+    def keep_graph(self, name: str, key: str, pick: int | None) -> None:
+        self._ask("keep_graph", name=name, key=key, pick=pick)
 
     def drop_graphs(self) -> None:
         self._ask("drop_graphs")
@@ -805,9 +821,10 @@ def run_rounds(
     Each round picks an input set and, with ``seeded``, a fresh-data seed from a secret random
     source; every callable of the round gets the same. ``sample_outputs`` reps of each callable in
     ``sample_names`` (all when None), chosen from the secret source, are kept for judging: the lane
-    hears which only after the rep (``lane.keep(name, key)``), and ``on_sample(name, key,
+    hears which only after the rep (``lane.keep(name, key, pick)``), and ``on_sample(name, key,
     set_index)`` is called then. ``stats["samples_taken"]`` maps each key to ``(name, set_index,
-    seed)``, what the golden of that output needs.
+    seed, pick)``, what the golden of that output needs (a CUDA graph's output too: key
+    ``graph:NAME``, input set 0, no fresh data).
     """
     import secrets as _secrets
 
@@ -867,10 +884,11 @@ def run_rounds(
             lead_us[name] = lead_for(host_ms[name])
             if name in samples and rounds in samples[name]:
                 key = f"timed:{name}:{rounds}"
-                taken[key] = (name, set_index, seed)
+                pick = secret.randrange(2**62)
+                taken[key] = (name, set_index, seed, pick)
                 if on_sample is not None:
                     on_sample(name, key, set_index)
-                owner[name].keep(name, key)
+                owner[name].keep(name, key, pick)
         rounds += 1
         if rounds >= config.max_reps:
             stop_reason = "max_reps"
@@ -904,6 +922,13 @@ def run_rounds(
     graph_arr, graph_info = _graph_phase(
         lanes, owner, is_cuda, config, order_rng, clock_arr, started, floor_rounds
     )
+    if graph_info["used"]:
+        for name in judged:
+            pick = secret.randrange(2**62)
+            owner[name].keep_graph(name, f"graph:{name}", pick)
+            taken[f"graph:{name}"] = (name, 0, None, pick)
+        for lane in lanes:
+            lane.drop_graphs()
     lead_kernel = all(lane.info()["lead_kernel"] for lane in lanes)
 
     results: dict[str, dict[str, Any]] = {}
@@ -1014,10 +1039,6 @@ def _graph_phase(
         rounds += 1
         if rounds >= floor_rounds and time.perf_counter() - started >= config.max_time_s:
             break
-    for name in owner:
-        owner[name].keep_graph(name, f"graph:{name}")
-    for lane in lanes:
-        lane.drop_graphs()
     info.update(
         used=True,
         reason=(
@@ -1073,11 +1094,10 @@ def compile_baseline(
 # Parent side: the reference's process and the candidates' process, timed in lockstep
 # ----------------------------------------------------------------------------------------------
 
-#: Judged timed calls per candidate (fewer when its outputs are large: see _JUDGED_BYTES). A
-#: candidate that is wrong on half of its calls (the least that moves a median) escapes 12 secret
-#: samples with probability 2**-12.
+#: Judged timed calls per candidate. A candidate that is wrong on half of its calls (the least
+#: that moves a median) escapes 12 secret samples with probability 2**-12.
 JUDGED_CALLS = 12
-_JUDGED_BYTES = 2 * 1024**3  # host memory for the judged outputs of one candidate, at most
+JUDGED_ELEMENTS = 65536  # elements judged of each tensor of a judged timed call, at most
 
 
 def benchmark(
@@ -1135,8 +1155,6 @@ def benchmark(
             return BenchmarkResult(failure=failure, seed=seed)
         ref_info, cand_info = sides.infos
         config = TimingConfig.quick() if quick else TimingConfig()
-        out_bytes = max(1, int(ref_info["output_bytes"]))
-        judged_calls = max(2, min(sample_outputs, _JUDGED_BYTES // out_bytes)) if sample_outputs else 0
         try:
             stats = run_rounds(
                 sides.lanes,
@@ -1144,13 +1162,11 @@ def benchmark(
                 config=config,
                 baseline="eager",
                 n_sets=len(payload.get("set_indices", ())) or 3,
-                sample_outputs=judged_calls,
+                sample_outputs=sample_outputs,
                 sample_names=list(candidates),
                 seeded=True,
             )
             judged = dict(stats.pop("samples_taken"))
-            if stats["graph"]["used"]:
-                judged.update({f"graph:{name}": [name, 0, None] for name in candidates})
             profile = None
             if judged:
                 sides.reference.request({"op": "golden", "samples": judged})
@@ -1298,7 +1314,7 @@ class _Sides:
         samples = torch.load(samples_path, weights_only=True) if samples_path.exists() else {}
         goldens = torch.load(goldens_path, weights_only=True)
         checked = 0
-        for key, (name, set_index, _seed) in judged.items():
+        for key, (name, set_index, _seed, _pick) in judged.items():
             where = "its CUDA graph's output" if key.startswith("graph:") else "the output of a timed call"
             outs, gold = samples.get(key), goldens[key]
             if outs is None:
@@ -1309,8 +1325,14 @@ class _Sides:
                     message=f"{name}: {where} has {len(outs)} tensors; the reference gives {len(gold['golden'])}",
                 )
             for c, g, n in zip(outs, gold["golden"], gold["native"], strict=True):
-                tol = tolerance_for(str(n.dtype).replace("torch.", ""), cls, precision)
-                verdict = compare_output(c, g, n, tol)
+                if c["shape"] != n["shape"] or c["dtype"] != n["dtype"]:
+                    return checked, TimingFailure(
+                        stage="timed_output",
+                        message=f"{name}: {where} is {c['dtype']} of shape {c['shape']}; the reference "
+                        f"gives {n['dtype']} of shape {n['shape']}",
+                    )
+                tol = tolerance_for(n["dtype"].replace("torch.", ""), cls, precision)
+                verdict = compare_output(c["values"], g["values"], n["values"], tol)
                 checked += 1
                 if not verdict["ok"]:
                     return checked, TimingFailure(

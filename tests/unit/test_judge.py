@@ -149,3 +149,16 @@ def test_fresh_inputs_are_new_data_of_the_same_kind():
     assert torch.equal(a[1][1]["m"], mask)  # a mask keeps its values
     assert torch.equal(a[2], labels) and a[3] == 3
     assert a[0].data_ptr() != x.data_ptr() and a[2].data_ptr() != labels.data_ptr()
+
+
+def test_judged_elements_are_the_same_positions_on_both_sides():
+    from kernelcrew.tools.timing import JUDGED_ELEMENTS, pick_elements
+
+    big = torch.randn(300, 1000)
+    small = torch.randn(10)
+    a = pick_elements([big, small], pick=7)
+    b = pick_elements([big.clone(), small.clone()], pick=7)
+    assert a[0]["values"].numel() == JUDGED_ELEMENTS and a[0]["shape"] == [300, 1000]
+    assert torch.equal(a[0]["values"], b[0]["values"])  # the golden side draws the same positions
+    assert torch.equal(a[1]["values"], small)  # a small tensor is judged whole
+    assert not torch.equal(pick_elements([big], pick=8)[0]["values"], a[0]["values"])
