@@ -186,7 +186,7 @@ def own_names(source: str) -> OwnNames:
             if any(_is_triton_wrapper(d, aliases) for d in node.decorator_list):
                 triton.add(node.name)
         elif isinstance(node, ast.Call):
-            if _is_triton_wrapper(node.func, aliases) and not isinstance(node.func, ast.Call):
+            if _is_triton_wrapper(node.func, aliases):  # triton.jit(fn), triton.jit(**options)(fn)
                 triton.update(a.id for a in node.args[:1] if isinstance(a, ast.Name))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "__global__" in node.value:
             cuda.update(cuda_global_names(node.value))

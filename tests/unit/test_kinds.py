@@ -47,12 +47,17 @@ def test_own_names_finds_triton_kernels_through_every_wrapper_and_alias():
 
         wrapped_kernel = triton.jit(body)
 
+        def other_body(x_ptr, n):
+            pass
+
+        configured_kernel = triton.jit(do_not_specialize=["n"])(other_body)
+
         def helper(x):
             return x
         """
     )
     own = own_names(source)
-    assert own.triton == {"plain_kernel", "tuned_kernel", "guided_kernel", "body"}
+    assert own.triton == {"plain_kernel", "tuned_kernel", "guided_kernel", "body", "other_body"}
     assert own.cuda == frozenset()
     assert own.compiler is False
 
