@@ -1,15 +1,17 @@
 """Reward-hacking checks: static rules on a candidate's own source, global-state snapshots, op traces.
 
-Three layers, each reported as structured findings:
+Four layers, each reported as structured findings:
 
 * :func:`static_check` reads the candidate's syntax tree (its own source only, never the
-  toolchains it calls). Imports come from an allow-list; the escape hatches that let Python code
-  reach the harness, the reference or the timer are refused: frames and ``gc``/``inspect``,
-  ``sys.modules``, dunder attributes, dynamic ``getattr``/``setattr``/``__import__``/``exec``,
-  file access, threads, subprocesses, extra CUDA streams, and assignments to attributes of
-  imported modules (monkey-patching ``torch.cuda.synchronize``, ``time.perf_counter``...).
-* :func:`snapshot_state` / :func:`state_changes` capture precision and determinism flags and the
-  identity of every function the harness and timer rely on, before and after each candidate call.
+  toolchains it calls). Every import and every attribute chain of an imported name is resolved
+  against the installed modules and :data:`MODULE_ATTRS` (an allow-list: a chain that reaches any
+  other module, ``torch.os`` or ``np.ctypeslib``, is refused); modules and library classes may not
+  travel as values; string-named attribute access, dunder hooks, tensor subclasses, metaclasses,
+  code hidden in codecs or format strings, file access, threads, streams and monkey-patching are refused.
+* :func:`snapshot_state` / :func:`state_changes` capture precision, backend and thread settings,
+  interpreter hooks (trace, profile, signals, atexit, imports), global module hooks and the
+  identity of every Tensor, Module, torch and builtins attribute, before and after each call.
+* :func:`output_problems` checks that a forward returned plain tensors and numbers, no subclass or wrapper.
 * :class:`OpRecorder` traces the aten ops a call runs; :func:`classify_kind` turns the trace into
   the candidate's ``kind``: ``kernel`` (its own Triton/CUDA kernels do the work), ``library``
   (PyTorch ops do it, the very op it replaces included) or ``compiler`` (``torch.compile``).
