@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Environment variables that hold a secret, and what the secret opens. Each process of the service
+#: holds only those its role needs (:data:`ROLE_SECRETS`); docs/security.md, "Where user code runs".
+SECRET_ENV: dict[str, str] = {
+    "OPENAI_API_KEY": "an LLM provider key",
+    "KERNELCREW_OPENAI_API_KEY": "an LLM provider key",
+    "ANTHROPIC_API_KEY": "an LLM provider key",
+    "KERNELCREW_ANTHROPIC_API_KEY": "an LLM provider key",
+    "KERNELCREW_LLM_API_KEY": "an LLM server key",
+    "KERNELCREW_DATABASE_URL": "the database URL and its credentials",
+    "PGPASSWORD": "a PostgreSQL password (libpq)",
+}
+#: The secret variables each role may hold: GPU workers none (the broker URL is their only
+#: credential), the API the database, the orchestrator all of them.
+ROLE_SECRETS: dict[str, frozenset[str]] = {
+    "worker": frozenset(),
+    "api": frozenset({"KERNELCREW_DATABASE_URL", "PGPASSWORD"}),
+    "orchestrator": frozenset(SECRET_ENV),
+}
+
+
+def unneeded_secrets(role: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The secret variables set (non-empty) in ``environ`` (default: this process's) that ``role``
+    does not need, sorted: names only, never their values."""
+    env = os.environ if environ is None else environ
+    allowed = ROLE_SECRETS[role]
+    return sorted(k for k in SECRET_ENV if k not in allowed and env.get(k, "").strip())
 
 
 def _default_data_dir() -> Path:
