@@ -206,6 +206,9 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often an idle orchestrator looks for jobs."
     )
     api_max_upload_bytes: int = Field(1024 * 1024, gt=0, description="Largest task or candidate source.")
+    api_max_kb_import_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest knowledge-base import file the API takes."
+    )
     api_max_active_jobs: int = Field(4, ge=1, description="Queued + running jobs one user may have.")
     api_rate_per_minute: int = Field(600, ge=1, description="Requests one token may make per minute.")
     api_validate_timeout_s: float = Field(
