@@ -68,6 +68,12 @@ class Settings(BaseSettings):
     sandbox_tmp_mb: int = Field(
         1024, ge=16, description="Size of the child's private /tmp and /dev/shm (memory-backed)."
     )
+    sandbox_disk_mb: int = Field(
+        8192,
+        ge=16,
+        description="Size of the child's own folder: a memory-backed tmpfs the parent copies results "
+        "out of; a child that fills it gets ENOSPC and its record says so.",
+    )
     sandbox_user: str = Field("nobody", description="Unprivileged user the child drops to when run as root.")
     sandbox_timeout_s: float = 300.0
     sandbox_cpu_s: int = 1800

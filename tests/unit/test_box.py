@@ -577,3 +577,77 @@ def test_the_compose_file_gives_each_service_only_the_secrets_of_its_role():
     assert "KERNELCREW_DATABASE_URL" in env["api"] and "KERNELCREW_DATABASE_URL" in env["orchestrator"]
     assert env["worker"] == {"KERNELCREW_BROKER_URL"}
     assert services["api"]["command"][-2:] == ["--orchestrators", "0"], "no orchestrator (and key) in the API"
+
+
+# ------------------------------------------------------------------------------------------------
+# Disk: the child's folder is a tmpfs of KERNELCREW_SANDBOX_DISK_MB
+# ------------------------------------------------------------------------------------------------
+
+FILL_DISK = """
+import os
+kept = []
+written = 0
+try:
+    for i in range(10_000):  # files under RLIMIT_FSIZE each, and unlinked ones held open
+        f = open(f"fill-{i}", "wb")
+        for _ in range(4):
+            f.write(b"x" * (1 << 20))
+            written += 1 << 20
+        if i % 2:
+            os.unlink(f"fill-{i}")
+            kept.append(f)
+        else:
+            f.close()
+except OSError as exc:
+    raise SystemExit(f"stopped after {written >> 20} MiB: {exc}")
+
+
+class Model:
+    pass
+
+
+ModelNew = Model
+
+
+def get_inputs():
+    return []
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_child_writing_past_its_disk_limit_is_stopped_and_the_host_keeps_its_disk(
+    role, box_settings, tmp_path
+):
+    limits = SandboxLimits(**{**LIMITS.__dict__, "disk_bytes": 32 << 20})
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    res = sandbox.run(
+        "kernelcrew.tools.taskcheck:import_child",
+        {"source": FILL_DISK, "kind": role, "path": "fill.py"},
+        limits=limits,
+        settings=box_settings,
+        workdir=workdir,
+        keep_workdir=True,
+    )
+    said = f"{res.message} {res.output_tail}"
+    assert not res.ok and "wrote past its disk limit (32 MiB" in res.message, said
+    assert "No space left on device" in said
+    assert int(re.search(r"stopped after (\d+) MiB", said).group(1)) <= 32
+    on_host = sum(p.stat().st_size for p in (workdir / "child").rglob("*") if p.is_file())
+    assert on_host <= 32 << 20, "what came out of the box is bounded by its folder"
+    assert res.isolation["guarantees"]["filesystem"]
+
+
+def test_an_honest_child_still_hands_its_files_back(box_settings, tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    res = sandbox.run(
+        f"{T}:write_file", {}, limits=LIMITS, settings=box_settings, workdir=workdir, keep_workdir=True
+    )
+    assert res.ok, res.message
+    assert "inside.txt" in res.value["files"]
+    assert (workdir / "child" / "inside.txt").read_text() == "ok", "copied out of the box's folder"
