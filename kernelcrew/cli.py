@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernelcrew.api.cli import serve, submit, token_app
+from kernelcrew.knowledge_base.cli import Visibility as KbVisibility
 from kernelcrew.knowledge_base.cli import app as kb_app
 from kernelcrew.records import Baseline, BenchmarkRequest, BenchmarkResult, ProfileRequest, VerifyRequest
 from kernelcrew.task import TaskError, read_source
@@ -615,6 +616,42 @@ def _print_report(report: dict[str, Any]) -> None:
     for failure in report["failures"][:5]:
         out.print(f"  [red]x[/] [{failure['stage']}] {failure['message']}")
     out.print(f"reproduce: {report['reproduce']}")
+
+
+@kb_app.command("import")
+def kb_import(
+    file: Annotated[Path, typer.Argument(help="A file written by `kernelcrew kb export`.")],
+    visibility: Annotated[
+        KbVisibility, typer.Option(help="Who sees the imported records: private (default), team, public.")
+    ] = KbVisibility.private,
+) -> None:
+    """Import FILE as yours, in one transaction: every record or, on any problem, none.
+
+    The file is data: fields, sizes and counts are checked, and every candidate source must parse
+    and pass the verifier's static rules; nothing in it runs.
+    """
+    from kernelcrew.api.kb import source_problems
+    from kernelcrew.knowledge_base.cli import err, fail, open_kb
+    from kernelcrew.knowledge_base.schemas import MAX_FILE_BYTES
+    from kernelcrew.knowledge_base.store import ImportRefused
+
+    try:
+        size = file.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise fail(f"{file} is {size} bytes; the limit is {MAX_FILE_BYTES}")
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise fail(f"cannot read {file}: {exc}") from exc
+    kb = open_kb()
+    try:
+        counts = kb.import_file(raw, check_source=source_problems, visibility=visibility.value)
+    except ImportRefused as exc:
+        raise fail(f"{file}: {exc}; nothing was imported") from exc
+    err.print(
+        f"imported {counts['records']} record(s) from {file} as {kb.reader.owner} ({visibility.value}): "
+        f"{counts['inserted']} new, {counts['improved']} improved, {counts['confirmed']} confirmed, "
+        f"{counts['unchanged']} unchanged, {counts['skipped']} skipped (another owner's)"
+    )
 
 
 app.command()(worker)

@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Environment variables that hold a secret, and what the secret opens. Each process of the service
+#: holds only those its role needs (:data:`ROLE_SECRETS`); docs/security.md, "Where user code runs".
+SECRET_ENV: dict[str, str] = {
+    "OPENAI_API_KEY": "an LLM provider key",
+    "KERNELCREW_OPENAI_API_KEY": "an LLM provider key",
+    "ANTHROPIC_API_KEY": "an LLM provider key",
+    "KERNELCREW_ANTHROPIC_API_KEY": "an LLM provider key",
+    "KERNELCREW_LLM_API_KEY": "an LLM server key",
+    "KERNELCREW_DATABASE_URL": "the database URL and its credentials",
+    "PGPASSWORD": "a PostgreSQL password (libpq)",
+}
+#: The secret variables each role may hold: GPU workers none (the broker URL is their only
+#: credential), the API the database, the orchestrator all of them.
+ROLE_SECRETS: dict[str, frozenset[str]] = {
+    "worker": frozenset(),
+    "api": frozenset({"KERNELCREW_DATABASE_URL", "PGPASSWORD"}),
+    "orchestrator": frozenset(SECRET_ENV),
+}
+
+
+def unneeded_secrets(role: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The secret variables set (non-empty) in ``environ`` (default: this process's) that ``role``
+    does not need, sorted: names only, never their values."""
+    env = os.environ if environ is None else environ
+    allowed = ROLE_SECRETS[role]
+    return sorted(k for k in SECRET_ENV if k not in allowed and env.get(k, "").strip())
 
 
 def _default_data_dir() -> Path:
@@ -39,6 +67,13 @@ class Settings(BaseSettings):
     sandbox_bwrap: str = Field("bwrap", description="The bubblewrap executable.")
     sandbox_tmp_mb: int = Field(
         1024, ge=16, description="Size of the child's private /tmp and /dev/shm (memory-backed)."
+    )
+    sandbox_disk_mb: int = Field(
+        0,
+        ge=0,
+        description="Size of the child's own folder: a memory-backed tmpfs the parent copies results "
+        "out of; a child that fills it gets ENOSPC and its record says so. 0: the memory limit (its "
+        "pages count against the child's memory cgroup, so memory and folder share one bound).",
     )
     sandbox_user: str = Field("nobody", description="Unprivileged user the child drops to when run as root.")
     sandbox_timeout_s: float = 300.0
@@ -178,6 +213,9 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often an idle orchestrator looks for jobs."
     )
     api_max_upload_bytes: int = Field(1024 * 1024, gt=0, description="Largest task or candidate source.")
+    api_max_kb_import_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest knowledge-base import file the API takes."
+    )
     api_max_active_jobs: int = Field(4, ge=1, description="Queued + running jobs one user may have.")
     api_rate_per_minute: int = Field(600, ge=1, description="Requests one token may make per minute.")
     api_validate_timeout_s: float = Field(

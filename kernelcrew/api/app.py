@@ -9,7 +9,7 @@ import json
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import func, select, text
 
 from kernelcrew.api.inputs import bounded_validation_error, reject_nul
+from kernelcrew.api.kb import KbImported, source_problems
 from kernelcrew.config import Settings, get_settings
 from kernelcrew.knowledge_base.db import get_engine, transaction
 from kernelcrew.service import jobs
@@ -314,6 +315,46 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return {"items": kb.search(q, arch=arch, gpu_model=gpu_model, k=k)}
         except ValueError as exc:  # an architecture that is not sm_XY or cpu
             raise HTTPException(422, str(exc)) from exc
+
+    @app.post(
+        f"{PREFIX}/kb/import",
+        response_model=KbImported,
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
+        },
+    )
+    async def import_kb(
+        request: Request, who: Submitter, visibility: Literal["private", "team", "public"] = "private"
+    ) -> KbImported:
+        """Import a `kernelcrew kb export` file as the caller's records (private unless shared): all or none.
+
+        The file is data: every field is checked and every candidate source must pass the static
+        rules; nothing in it runs. Sharing with everyone (public) needs the admin scope."""
+        from starlette.concurrency import run_in_threadpool
+
+        from kernelcrew.knowledge_base import KnowledgeBase, Reader
+        from kernelcrew.knowledge_base.store import ImportRefused
+
+        if visibility == "public" and "admin" not in who.scopes:
+            raise HTTPException(403, "importing public records needs the 'admin' scope")
+        limit = s.api_max_kb_import_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise HTTPException(413, f"an import file is at most {limit} bytes")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise HTTPException(413, f"an import file is at most {limit} bytes")
+        kb = KnowledgeBase(engine, Reader(who.user, who.team))
+
+        def work() -> dict[str, int]:
+            return kb.import_file(bytes(raw), check_source=source_problems, visibility=visibility)
+
+        try:
+            counts = await run_in_threadpool(work)
+        except ImportRefused as exc:
+            raise HTTPException(422, f"{exc}; nothing was imported") from exc
+        return KbImported(**counts, visibility=visibility)
 
     @app.get(f"{PREFIX}/workers")
     def workers(who: Reader_) -> dict[str, Any]:

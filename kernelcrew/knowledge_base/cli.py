@@ -1,4 +1,7 @@
-"""``kernelcrew kb``: search, show, export and import the knowledge base from the command line.
+"""``kernelcrew kb``: search, show and export the knowledge base from the command line.
+
+``kb import`` is added by ``kernelcrew/cli.py``: it checks imported sources with the verifier's
+static rules, which live above this package.
 
 Acts as ``KERNELCREW_KB_OWNER`` (default: the OS user) of ``KERNELCREW_KB_TEAM`` on the database
 of ``KERNELCREW_DATABASE_URL`` (default: ``<data dir>/kernelcrew.db``). Exit codes: 0 done, 1 not
@@ -34,7 +37,7 @@ class Visibility(StrEnum):
     public = "public"
 
 
-def _open() -> KnowledgeBase:
+def open_kb() -> KnowledgeBase:
     from kernelcrew.knowledge_base.db import DatabaseError
     from kernelcrew.knowledge_base.handle import KnowledgeBase
 
@@ -45,7 +48,7 @@ def _open() -> KnowledgeBase:
         raise typer.Exit(2) from exc
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
+def fail(message: str, code: int = 2) -> typer.Exit:
     err.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code)
 
@@ -66,11 +69,11 @@ def search(
     as_json: Annotated[bool, typer.Option("--json", help="Print the hits as JSON.")] = False,
 ) -> None:
     """Find records by BM25 over signatures, strategies and descriptions (tiered by --gpu/--arch)."""
-    kb = _open()
+    kb = open_kb()
     try:
         hits = kb.search(query, arch=arch, gpu_model=gpu, k=limit)
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     if as_json:
         print(json.dumps(hits, indent=2))
         return
@@ -90,13 +93,13 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="Print the record as JSON.")] = False,
 ) -> None:
     """One record with its evidence and candidate source."""
-    kb = _open()
+    kb = open_kb()
     try:
         record = kb.get(record_id)
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     if record is None:
-        raise _fail(f"no record {record_id} visible to {kb.reader.owner}", code=1)
+        raise fail(f"no record {record_id} visible to {kb.reader.owner}", code=1)
     if as_json:
         print(json.dumps(record, indent=2))
         return
@@ -119,39 +122,10 @@ def export_(
     file: Annotated[Path, typer.Argument(help="The JSON file to write.")],
 ) -> None:
     """Write every verified win you can see to FILE (seeds ship with kernelcrew: left out)."""
-    kb = _open()
+    kb = open_kb()
     doc = kb.export()
     try:
         file.write_text(json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
-        raise _fail(f"cannot write {file}: {exc}") from exc
+        raise fail(f"cannot write {file}: {exc}") from exc
     err.print(f"exported {len(doc['records'])} record(s) to {file}")
-
-
-@app.command("import")
-def import_(
-    file: Annotated[Path, typer.Argument(help="A file written by `kernelcrew kb export`.")],
-    visibility: Annotated[
-        Visibility | None, typer.Option(help="Visibility of the imported records (default: the file's).")
-    ] = None,
-) -> None:
-    """Import FILE in one transaction: every record or, on any problem, none."""
-    from kernelcrew.knowledge_base.schemas import MAX_FILE_BYTES
-    from kernelcrew.knowledge_base.store import ImportRefused
-
-    try:
-        size = file.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise _fail(f"{file} is {size} bytes; the limit is {MAX_FILE_BYTES}")
-        raw = file.read_bytes()
-    except OSError as exc:
-        raise _fail(f"cannot read {file}: {exc}") from exc
-    kb = _open()
-    try:
-        counts = kb.import_file(raw, visibility=visibility.value if visibility else None)
-    except ImportRefused as exc:
-        raise _fail(f"{file}: {exc}; nothing was imported") from exc
-    err.print(
-        f"imported {counts['records']} record(s) from {file}: {counts['inserted']} new, "
-        f"{counts['improved']} improved, {counts['confirmed']} confirmed, {counts['unchanged']} unchanged"
-    )

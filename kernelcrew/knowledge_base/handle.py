@@ -120,10 +120,15 @@ class KnowledgeBase:
         with self._session() as session:
             return store.export_wins(session, self.reader)
 
-    def import_file(self, raw: bytes | str, *, visibility: str | None = None) -> dict[str, int]:
-        """Import an export file in one transaction: all of it, or (on any error) none of it."""
+    def import_file(
+        self, raw: bytes | str, *, check_source: store.SourceCheck, visibility: str = "private"
+    ) -> dict[str, int]:
+        """Import an export file in one transaction: all of it, or (on any error) none of it
+        (:func:`kernelcrew.knowledge_base.store.import_wins`)."""
         with self._session() as session:
-            return store.import_wins(session, raw, self.reader, visibility=visibility)
+            return store.import_wins(
+                session, raw, self.reader, check_source=check_source, visibility=visibility
+            )
 
 
 __all__ = ["KnowledgeBase", "local_owner"]

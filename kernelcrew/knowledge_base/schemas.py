@@ -7,6 +7,7 @@ and JSON blobs have size limits, and a candidate source is at most as large as a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import uuid
@@ -22,6 +23,7 @@ EXPORT_VERSION = 1
 MAX_RECORDS = 10_000
 MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_JSON_BYTES = 16 * 1024
+MAX_JSON_DEPTH = 8
 
 PatternKind = Literal["attention", "matmul", "conv", "reduction", "pointwise", "other", "any"]
 Visibility = Literal["private", "team", "public"]
@@ -30,10 +32,44 @@ Bottleneck = Literal["memory", "compute", "latency", "launch"]
 SourceKind = Literal["kernel", "library", "compiler"]
 
 
+def _text(value: str, *, lines: bool = True) -> str:
+    """``value`` if every database takes it: valid UTF-8 (no lone surrogates), no NUL, and no other
+    control character but tab and newlines (where ``lines``)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError("not valid UTF-8 text (a lone surrogate)") from None
+    allowed = "\t\n\r" if lines else ""
+    bad = next((c for c in value if (ord(c) < 32 or ord(c) == 127) and c not in allowed), None)
+    if bad is not None:
+        raise ValueError(f"contains the control character {bad!r}")
+    return value
+
+
+def _plain_json(value: Any, depth: int = 0) -> None:
+    """Only JSON's own values, nested at most :data:`MAX_JSON_DEPTH` deep, numbers finite."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _text(key, lines=False)
+            _plain_json(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _plain_json(item, depth + 1)
+    elif isinstance(value, str):
+        _text(value)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("numbers must be finite (no NaN or infinity)")
+    elif value is not None and not isinstance(value, bool | int | float):
+        raise ValueError(f"{type(value).__name__} is not a JSON value")
+
+
 def _json_limited(value: dict[str, Any] | None) -> dict[str, Any] | None:
     if value is None:
         return value
-    size = len(json.dumps(value, default=str))
+    _plain_json(value)
+    size = len(json.dumps(value))
     if size > MAX_JSON_BYTES:
         raise ValueError(f"{size} bytes of JSON; the limit is {MAX_JSON_BYTES}")
     return value
@@ -42,12 +78,12 @@ def _json_limited(value: dict[str, Any] | None) -> dict[str, Any] | None:
 def _source_limited(value: str | None) -> str | None:
     if value is None:
         return value
-    size = len(value.encode())
+    size = len(value.encode(errors="surrogatepass"))
     if size > MAX_SOURCE_BYTES:
         raise ValueError(f"the candidate source is {size} bytes; the limit is {MAX_SOURCE_BYTES}")
     if "\x00" in value:
         raise ValueError("the candidate source contains NUL bytes")
-    return value
+    return _text(value)
 
 
 def _finite(value: float | None) -> float | None:
@@ -58,11 +94,15 @@ def _finite(value: float | None) -> float | None:
 
 JsonDict = Annotated[dict[str, Any], AfterValidator(_json_limited)]
 Source = Annotated[str, AfterValidator(_source_limited)]
+Text = Annotated[str, AfterValidator(_text)]
+Line = Annotated[str, AfterValidator(functools.partial(_text, lines=False))]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w.@+-][\w .@+-]*$")]
 GpuModel = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9.-]*$")]
 Arch = Annotated[str, Field(pattern=r"^(sm_\d{2,3}[a-z]?|cpu)$")]
 Strategy = Annotated[str, Field(min_length=1, max_length=80, pattern=r"^[\w:.+-][\w:.+ -]*$")]
-Tag = Annotated[str, Field(min_length=1, max_length=40)]
+Tag = Annotated[
+    str, Field(min_length=1, max_length=40), AfterValidator(functools.partial(_text, lines=False))
+]
 Millis = Annotated[float, Field(gt=0), AfterValidator(_finite)]
 Ratio = Annotated[float, Field(gt=0), AfterValidator(_finite)]
 
@@ -76,11 +116,11 @@ class WinIn(_Strict):
 
     gpu_model: GpuModel
     arch: Arch
-    signature: str = Field(min_length=1, max_length=4000)
+    signature: Line = Field(min_length=1, max_length=4000)
     pattern_kinds: list[PatternKind] = Field(min_length=1, max_length=7)
     strategy: Strategy
     candidate_source: Source
-    description: str = Field("", max_length=4000)
+    description: Text = Field("", max_length=4000)
     tags: list[Tag] = Field(default_factory=list, max_length=16)
     params: JsonDict = Field(default_factory=dict)
     versions: JsonDict = Field(default_factory=dict)
@@ -88,7 +128,7 @@ class WinIn(_Strict):
     source_kind: SourceKind | None = None
     sol_fraction: Annotated[float, Field(ge=0, le=2), AfterValidator(_finite)] | None = None
     ncu_summary: JsonDict | None = None
-    job_id: str | None = Field(None, min_length=1, max_length=64)
+    job_id: Line | None = Field(None, min_length=1, max_length=64)
 
 
 class ExportRecord(WinIn):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,7 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from kernelcrew.knowledge_base.models import Confirmation, Reader, Win, scope_of, visible_to
+from kernelcrew.knowledge_base.models import VISIBILITIES, Confirmation, Reader, Win, scope_of, visible_to
 from kernelcrew.knowledge_base.patterns import signature_key
 from kernelcrew.knowledge_base.schemas import (
     EXPORT_FORMAT,
@@ -319,22 +319,49 @@ def parse_import(raw: bytes | str) -> ExportFile:
         raise ImportRefused(f"not a valid kernelcrew knowledge-base file: {describe_errors(exc)}") from None
 
 
+#: Static check of an imported candidate source: the problems found, none when it may be stored.
+#: The knowledge base stores sources and never runs them; the caller (command line, API) passes the
+#: verifier's static rules (``kernelcrew.api.kb.source_problems``), which live above this package.
+SourceCheck = Callable[[str], list[str]]
+
+
 def import_wins(
-    session: Session, raw: bytes | str, reader: Reader, *, visibility: str | None = None
+    session: Session,
+    raw: bytes | str,
+    reader: Reader,
+    *,
+    check_source: SourceCheck,
+    visibility: str = "private",
 ) -> dict[str, int]:
     """Import an export file into the caller's transaction; counts of what happened to each record.
 
-    The whole file is validated first; the caller commits once, so a bad file or a failing row
-    leaves the database as it was. Imported records belong to ``reader`` (the file's ``owner`` is
-    who shared them); their visibility is the file's unless ``visibility`` overrides it, and a
-    ``team`` record goes to the reader's team (else the file's). Re-importing a file changes
-    nothing: a record confirms its row once (by its job id, else its id in the file). The
-    importing side trusts the exporting side's verification: records must carry its timings.
+    An import is data: nothing in it is executed. The whole file is validated first (fields, sizes,
+    counts, and every candidate source through ``check_source``); the caller commits once, so a bad
+    file or a failing row leaves the database as it was. Imported records belong to ``reader`` and
+    are private to them unless ``visibility`` shares them (``team``: the reader's team, else the
+    file's; the file's own visibility is never taken). A record never changes a row another owner
+    holds: it is ``skipped``. Re-importing a file changes nothing: a record confirms its row once
+    (by its job id, else its id in the file). The importing side trusts the exporting side's
+    verification: records must carry its timings.
     """
+    if visibility not in VISIBILITIES:
+        raise ImportRefused(f"unknown visibility {visibility!r} (choose {', '.join(VISIBILITIES)})")
     doc = parse_import(raw)
+    problems = [
+        f"records[{i}].candidate_source: {problem}"
+        for i, rec in enumerate(doc.records)
+        for problem in check_source(rec.candidate_source)
+    ]
+    if problems:
+        more = f"; ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ImportRefused(
+            "a candidate source breaks the static rules (imports are data: nothing was run): "
+            + "; ".join(problems[:8])
+            + more
+        )
     counts: Counter[str] = Counter()
     for i, rec in enumerate(doc.records):
-        vis = visibility or rec.visibility
+        vis = visibility
         team = (reader.team or rec.team) if vis == "team" else None
         if vis == "team" and not team:
             raise ImportRefused(
@@ -351,13 +378,17 @@ def import_wins(
             "team": team,
             "scope": scope_of(reader.owner, vis, team),
         }
+        held = _find(session, fields)
+        if held is not None and held.owner != reader.owner:
+            counts["skipped"] += 1  # someone else's row in a shared scope: theirs to change
+            continue
         result = _merge(
             session, fields, job_key=rec.job_id or f"import:{rec.id}", confirmations=rec.confirmations
         )
         counts[result.action] += 1
     return {
         "records": len(doc.records),
-        **{k: counts[k] for k in ("inserted", "improved", "confirmed", "unchanged")},
+        **{k: counts[k] for k in ("inserted", "improved", "confirmed", "unchanged", "skipped")},
     }
 
 
@@ -365,6 +396,7 @@ __all__ = [
     "AddResult",
     "Evidence",
     "ImportRefused",
+    "SourceCheck",
     "WinRefused",
     "add_win",
     "evidence_from_verdict",

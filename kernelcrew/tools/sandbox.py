@@ -196,6 +196,8 @@ class SandboxLimits:
     max_open_files: int = 1024
     max_output_bytes: int = 8 * 1024 * 1024
     max_file_bytes: int = 16 * 1024**3
+    disk_bytes: int = 8 * 1024**3
+    """Size of the child's own folder (a tmpfs under bubblewrap): all it may write there."""
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **overrides: Any) -> SandboxLimits:
@@ -208,6 +210,7 @@ class SandboxLimits:
             max_open_files=s.sandbox_max_open_files,
             max_output_bytes=s.sandbox_max_output_bytes,
             max_file_bytes=s.sandbox_max_file_bytes,
+            disk_bytes=s.sandbox_disk_mb * 1024**2 or machine_memory_limit(),
         )
         values.update(overrides)
         return cls(**values)
@@ -521,9 +524,11 @@ def _view_args(
     readonly: list[Path],
     tmp_bytes: int,
     seccomp_fd: int | None = None,
+    child_bytes: int = 16 * 1024**2,
 ) -> list[str]:
     """bwrap's options: namespaces, identity, the syscall filter read from ``seccomp_fd``, and the
-    filesystem view (see the module docstring)."""
+    filesystem view (see the module docstring). The child's own folder is a tmpfs of
+    ``child_bytes`` (with its ``tmp/``), not the host's folder: the kernel bounds what it writes."""
     args = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
     args += [
         "--unshare-user",
@@ -566,7 +571,8 @@ def _view_args(
     args += ["--size", str(tmp_bytes), "--tmpfs", "/dev/shm", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     for path in _outermost(readonly):
         args += ["--ro-bind", str(path), str(path)]
-    args += ["--ro-bind", str(workdir), str(workdir), "--bind", str(child_dir), str(child_dir)]
+    args += ["--ro-bind", str(workdir), str(workdir)]
+    args += ["--size", str(child_bytes), "--tmpfs", str(child_dir), "--dir", str(child_dir / "tmp")]
     for private, mount in caches:
         args += ["--bind", str(private), str(mount)]
     args += ["--remount-ro", "/", "--chdir", str(child_dir)]
@@ -791,6 +797,65 @@ def _sanitize(child_dir: Path) -> None:
                     path.unlink()
 
 
+#: Most files and folders the parent copies out of a child's folder (the rest stay behind).
+MAX_CHILD_ENTRIES = 10_000
+
+
+def _pin_child_dir(info_fd: int, child_dir: Path, timeout_s: float = 30.0) -> int:
+    """A directory descriptor of the box's tmpfs at ``child_dir``, opened through the box's root
+    while its first process waits on bwrap's ``--block-fd``: it keeps the tmpfs after the box ends,
+    so the parent copies results out of it. ``OSError`` when it cannot be had."""
+    import select
+
+    deadline = time.monotonic() + timeout_s
+    info = b""
+    while not info.rstrip().endswith(b"}"):
+        if not select.select([info_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            raise OSError("bubblewrap did not say which process it started")
+        chunk = os.read(info_fd, 4096)
+        if not chunk:
+            raise OSError("bubblewrap exited before the box was set up")
+        info += chunk
+    pid = int(json.loads(info)["child-pid"])
+    host = os.stat(child_dir).st_dev
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            fd = os.open(f"/proc/{pid}/root{child_dir}", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            if os.fstat(fd).st_dev != host:  # the box's view is in place (before: the host's)
+                return fd
+            os.close(fd)
+        time.sleep(0.002)
+    raise OSError(f"cannot open the box's folder through /proc/{pid}/root")
+
+
+def _copy_out(box_fd: int, dest: Path, budget: list[int], depth: int = 0) -> None:
+    """Copy the regular files and folders under ``box_fd`` into ``dest`` without following any
+    link, at most :data:`MAX_CHILD_ENTRIES` entries and 16 levels (the size is the tmpfs's)."""
+    dest.mkdir(exist_ok=True)
+    for entry in os.scandir(box_fd):
+        if budget[0] <= 0 or depth > 16:
+            return
+        budget[0] -= 1
+        info = os.stat(entry.name, dir_fd=box_fd, follow_symlinks=False)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+        if stat.S_ISDIR(info.st_mode) and not (depth == 0 and entry.name == "tmp"):
+            sub = os.open(entry.name, flags | os.O_DIRECTORY, dir_fd=box_fd)
+            try:
+                _copy_out(sub, dest / entry.name, budget, depth + 1)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(info.st_mode):
+            src = os.open(entry.name, flags, dir_fd=box_fd)
+            with open(src, "rb") as fin, open(dest / entry.name, "wb") as fout:
+                shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def _child_dir_full(box_fd: int) -> bool:
+    """Whether the child's folder ran out of space (less than 1 MiB or 1 % of it left)."""
+    st = os.fstatvfs(box_fd)
+    return st.f_bavail * st.f_frsize < max(1 << 20, st.f_blocks * st.f_frsize // 100)
+
+
 def make_workdir(prefix: str = "kc-") -> Path:
     """A fresh private directory for one evaluation (the parent's files and the child's)."""
     return Path(tempfile.mkdtemp(prefix=prefix))
@@ -1007,6 +1072,8 @@ class _Child:
     remove_workdir: bool
     started: float
     reply_read: int = -1
+    box_dir: int | None = None  # the box's tmpfs at child_dir, held open by the parent
+    disk_full: bool = False
 
     @classmethod
     def launch(
@@ -1078,6 +1145,8 @@ class _Child:
         caches: list[tuple[Path, Path]] = []
         seccomp = _seccomp_file(workdir) if boxed else contextlib.nullcontext(None)
         seccomp_fd = seccomp.__enter__()
+        box_fds: tuple[int, ...] = ()
+        info_r = block_w = -1
         if boxed:
             _write_identity(workdir, child_dir)
             caches = _seed_caches(writable, workdir, scope)
@@ -1088,10 +1157,18 @@ class _Child:
                 _readonly_paths(target, wrapper, prefix),
                 s.sandbox_tmp_mb * 1024**2,
                 seccomp_fd,
+                limits.disk_bytes,
             )
+            info_r, info_w = os.pipe()  # bwrap says which process it started ...
+            block_r, block_w = os.pipe()  # ... which waits, its view set up, until the parent has its folder
+            box_fds = (info_w, block_r)
             command = [
                 *_join_cgroups(cgroups.procs),
                 _bwrap_path(s) or s.sandbox_bwrap,
+                "--info-fd",
+                str(info_w),
+                "--block-fd",
+                str(block_r),
                 *view,
                 *wrapper,
                 sys.executable,
@@ -1120,7 +1197,7 @@ class _Child:
             ]
 
         started = time.monotonic()
-        pass_fds = tuple(fd for fd in (seccomp_fd, reply_write) if fd is not None and fd >= 0)
+        pass_fds = tuple(fd for fd in (seccomp_fd, reply_write, *box_fds) if fd is not None and fd >= 0)
         try:
             proc = subprocess.Popen(
                 command,
@@ -1136,9 +1213,10 @@ class _Child:
         except OSError as exc:
             seccomp.__exit__(None, None, None)
             cgroups.remove()
-            for fd in (reply_read, reply_write):
+            for fd in (reply_read, reply_write, info_r, block_w, *box_fds):
                 if fd >= 0:
-                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
             return SandboxResult(
                 status="error", message=f"could not start the sandbox: {exc}", isolation=isolation
             )
@@ -1150,6 +1228,26 @@ class _Child:
         seccomp.__exit__(None, None, None)  # bwrap has its own descriptor of the program now
         output = _OutputReader(proc, limits.max_output_bytes)
         output.start()
+        box_dir = None
+        if box_fds:
+            for fd in box_fds:
+                os.close(fd)
+            try:
+                box_dir = _pin_child_dir(info_r, child_dir)
+            except (OSError, ValueError, KeyError) as exc:
+                _kill_group(proc)
+                cgroups.remove()
+                output.join(timeout=5)
+                if reply_read >= 0:
+                    os.close(reply_read)
+                return SandboxResult(
+                    status="error", message=f"could not start the sandbox: {exc}", isolation=isolation
+                )
+            finally:
+                os.close(info_r)
+                with contextlib.suppress(OSError):
+                    os.write(block_w, b"x")  # the box may go on (or, killed, finds no one to wait for)
+                os.close(block_w)
         return cls(
             proc=proc,
             output=output,
@@ -1167,10 +1265,14 @@ class _Child:
             remove_workdir=own_workdir and not keep_workdir,
             started=started,
             reply_read=reply_read,
+            box_dir=box_dir,
         )
 
     def over_limit(self) -> str | None:
-        """``output_limit`` or ``timeout`` once the child passed one of them, else None."""
+        """``output_limit`` or ``timeout`` once the child passed one of them, else None (and notes a
+        full folder: the kernel enforces its size, this is to say so)."""
+        if self.box_dir is not None and not self.disk_full:
+            self.disk_full = _child_dir_full(self.box_dir)
         if self.output.exceeded:
             return "output_limit"
         if time.monotonic() > self.started + self.limits.wall_s:
@@ -1196,6 +1298,15 @@ class _Child:
         wall = time.monotonic() - self.started
         if self.output.exceeded:
             status = "output_limit"
+        if self.box_dir is not None:
+            try:
+                self.disk_full = self.disk_full or _child_dir_full(self.box_dir)
+                _copy_out(self.box_dir, self.child_dir, [MAX_CHILD_ENTRIES])
+            except OSError:
+                pass  # what could not be copied is missing: the result reads as lost
+            finally:
+                os.close(self.box_dir)  # the last reference: the tmpfs goes
+                self.box_dir = None
         _sanitize(self.child_dir)
 
         returncode = self.proc.returncode
@@ -1222,6 +1333,13 @@ class _Child:
                 result.message += (
                     f"; the memory cgroup's limit ({limits.memory_bytes // 1024**2} MiB) was hit"
                 )
+        enospc = "No space left on device" in f"{result.message} {result.output_tail}"
+        if self.boxed and not result.ok and (self.disk_full or enospc):
+            result.message = (
+                f"the child wrote past its disk limit ({limits.disk_bytes // 1024**2} MiB in its folder, "
+                "KERNELCREW_SANDBOX_DISK_MB; /tmp and /dev/shm have KERNELCREW_SANDBOX_TMP_MB each): "
+                f"{result.message}"
+            )
         if self.boxed and result.ok and len(self.caches) == 1:
             _seal(*self.caches[0], self.scope)
         if self.remove_workdir:

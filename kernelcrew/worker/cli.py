@@ -26,10 +26,27 @@ def worker(
     ] = "kc",
     loglevel: Annotated[str, typer.Option(help="Log level of the workers.")] = "info",
 ) -> None:
-    """Serve GPU work: one Celery worker per GPU (pinned, concurrency 1), the cpu queue without GPUs."""
+    """Serve GPU work: one Celery worker per GPU (pinned, concurrency 1), the cpu queue without GPUs.
+
+    Refuses to start (exit code 2) while its environment holds a provider key or database
+    credentials: a worker needs only the broker URL, and whatever it holds is one escape away from
+    the code it runs. Scrubbing them here would not do: ``/proc/<pid>/environ`` keeps a process's
+    initial environment whatever it unsets later.
+    """
     import redis
 
-    from kernelcrew.config import get_settings
+    from kernelcrew.config import SECRET_ENV, get_settings, unneeded_secrets
+
+    extra = unneeded_secrets("worker")
+    if extra:
+        held = ", ".join(f"{name} ({SECRET_ENV[name]})" for name in extra)
+        typer.echo(
+            f"error: kernelcrew worker refuses to start: its environment holds {held}. A GPU worker runs "
+            "other people's code and needs only KERNELCREW_BROKER_URL; start it without them "
+            f"(env {' '.join(f'-u {n}' for n in extra)} kernelcrew worker ...). See docs/security.md.",
+            err=True,
+        )
+        raise typer.Exit(2)
     from kernelcrew.worker import store
     from kernelcrew.worker.inventory import INFO_ENV, describe_machine, probe_ncu
     from kernelcrew.worker.supervisor import Supervisor, plan_workers

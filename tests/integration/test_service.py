@@ -27,7 +27,7 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from kernelcrew.config import Settings, resolve_database_url
+from kernelcrew.config import SECRET_ENV, Settings, resolve_database_url
 from kernelcrew.knowledge_base.db import make_engine, transaction, upgrade
 from kernelcrew.service import jobs
 from tests.conftest import FIXTURES
@@ -88,8 +88,8 @@ class Service:
         self.procs: dict[str, Proc] = {}
         self.tokens: dict[str, str] = {}
 
-    def start(self, name: str, args: list[str]) -> Proc:
-        self.procs[name] = Proc(args, self.env, self.logs / f"{name}.log")
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        self.procs[name] = Proc(args, self.env if env is None else env, self.logs / f"{name}.log")
         return self.procs[name]
 
     def client(self, user: str | None) -> httpx.Client:
@@ -140,7 +140,8 @@ def running_service(
     port = free_port()
     svc = Service(f"http://127.0.0.1:{port}", env, engine, logs)
     try:
-        svc.start("worker", ["worker", "--broker", redis_url, "--name", worker])
+        worker_env = {k: v for k, v in env.items() if k not in SECRET_ENV}  # it refuses them
+        svc.start("worker", ["worker", "--broker", redis_url, "--name", worker], worker_env)
         svc.start("api", ["serve", "--port", str(port), "--orchestrators", "0"])
         svc.start("orch1", ["orchestrator"])
         with transaction(engine) as s:

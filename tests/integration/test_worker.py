@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import redis
 
-from kernelcrew.config import Settings, get_settings
+from kernelcrew.config import SECRET_ENV, Settings, get_settings
 from kernelcrew.records import ProfileRequest, VerifyRequest
 from kernelcrew.task import TaskError
 from kernelcrew.worker import store
@@ -94,7 +94,7 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: 
 
 
 def env_for(settings: Settings) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}  # a worker refuses them
     for name in (
         "broker_url",
         "worker_heartbeat_s",

@@ -28,6 +28,36 @@ TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()
 MAX_UPLOAD = 20_000
 VALIDATE_S = 10.0  # a task that allocates 100 GB at import must get there under two test processes
 
+KB_SOURCE = "import torch\n\n\nclass ModelNew(torch.nn.Module):\n    pass\n"
+
+
+def kb_file(**changes: object) -> dict:
+    """A `kernelcrew kb export` file with one record (its fields changed by ``changes``)."""
+    record = {
+        "id": "8a3c1d52-4b8e-4c55-9a34-3f1f4c2b9e10",
+        "gpu_model": "h100-sxm",
+        "arch": "sm_90",
+        "signature": "ops=relu | dtypes=float32 | shapes=large",
+        "pattern_kinds": ["pointwise"],
+        "strategy": "fused_pointwise",
+        "candidate_source": KB_SOURCE,
+        "clock": "cuda-event",
+        "before_ms": 1.0,
+        "after_ms": 0.5,
+        "speedup_eager": 2.0,
+        "owner": "mallory",
+        "visibility": "public",
+        "created_at": "2026-01-01T00:00:00Z",
+        **changes,
+    }
+    return {
+        "format": "kernelcrew-kb",
+        "version": 1,
+        "exported_at": "2026-01-02T00:00:00Z",
+        "records": [record],
+    }
+
+
 #: (method, path) -> the scope it needs, and the body a valid request sends.
 ROUTES: dict[tuple[str, str], tuple[str, dict | None]] = {
     ("POST", f"{PREFIX}/jobs"): ("submit", {"task": TASK, "mode": "optimize"}),
@@ -38,6 +68,7 @@ ROUTES: dict[tuple[str, str], tuple[str, dict | None]] = {
     ("GET", f"{PREFIX}/jobs/{{job_id}}/events"): ("read", None),
     ("POST", f"{PREFIX}/jobs/{{job_id}}/messages"): ("submit", {"text": "keep it in fp32"}),
     ("GET", f"{PREFIX}/kb"): ("read", None),
+    ("POST", f"{PREFIX}/kb/import"): ("submit", kb_file()),
     ("GET", f"{PREFIX}/workers"): ("read", None),
 }
 JOB_ROUTES = [route for route in ROUTES if "{job_id}" in route[1]]
@@ -73,6 +104,7 @@ def api(tmp_path_factory) -> Iterator[Api]:
         api_max_active_jobs=1000,
         api_max_upload_bytes=MAX_UPLOAD,
         api_validate_timeout_s=VALIDATE_S,
+        api_max_kb_import_bytes=MAX_UPLOAD,
     )
     engine = get_engine(s)
     tokens = {}
@@ -196,6 +228,58 @@ def test_a_task_that_never_finishes_importing_is_refused_within_the_bound(api):
     assert r.status_code == 422 and f"did not finish within {VALIDATE_S:g} s" in r.json()["detail"]
     assert time.monotonic() - started < VALIDATE_S + 10
     assert api.job_count() == before
+
+
+# -- knowledge-base imports ----------------------------------------------------------------------
+
+
+def kb_records(api: Api) -> list[tuple[str, str, str]]:
+    from sqlalchemy import select
+
+    from kernelcrew.knowledge_base.models import Win
+
+    with transaction(api.engine) as session:
+        rows = session.scalars(select(Win).where(Win.source == "verified").order_by(Win.owner, Win.strategy))
+        return [(w.owner, w.visibility, w.strategy) for w in rows]
+
+
+def import_kb(api: Api, body: object, token: str = "bob", **params: str):
+    headers = {"authorization": f"Bearer {api.tokens[token]}"}
+    return api.client.post(f"{PREFIX}/kb/import", json=body, params=params, headers=headers)
+
+
+def test_an_import_is_stored_as_the_callers_private_records(api):
+    r = import_kb(api, kb_file(strategy="import_private"))
+    assert r.status_code == 200, r.text
+    assert r.json()["inserted"] == 1 and r.json()["visibility"] == "private"
+    assert ("bob", "private", "import_private") in kb_records(api)
+    assert not [rec for rec in kb_records(api) if rec[0] == "mallory"], "the file's owner is not taken"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (kb_file(candidate_source="import socket\nclass ModelNew: ...\n"), 422, "static rules"),
+        (kb_file(candidate_source="rm -rf /\n"), 422, "syntax error"),
+        (kb_file(description="\x00"), 422, "control character"),
+        (kb_file(params={"x": [[[[[[[[[[1]]]]]]]]]]}), 422, "nested deeper"),
+        ({"records": "all of them"}, 422, "not a valid kernelcrew knowledge-base file"),
+        (kb_file(description="x" * MAX_UPLOAD), 413, "at most"),
+    ],
+    ids=["hostile-source", "not-python", "nul", "deep-json", "not-a-file", "too-large"],
+)
+def test_a_bad_import_is_refused_clearly_and_nothing_is_stored(api, body, status, says):
+    before = kb_records(api)
+    r = import_kb(api, body)
+    assert r.status_code == status and says in r.json()["detail"], r.text
+    assert kb_records(api) == before
+
+
+def test_public_imports_need_the_admin_scope(api):
+    before = kb_records(api)
+    r = import_kb(api, kb_file(strategy="import_public"), visibility="public")
+    assert r.status_code == 403 and "admin" in r.json()["detail"]
+    assert kb_records(api) == before
 
 
 # -- schemathesis -------------------------------------------------------------------------------

@@ -507,3 +507,147 @@ def test_a_box_where_the_cuda_driver_cannot_start_fails_its_probe_with_the_reaso
     for fine in sandbox.CUDA_FINE:  # success, or no device visible to this worker
         monkeypatch.setattr(ctypes, "CDLL", lambda name, fine=fine: Driver(fine))
         assert sandbox.cuda_problems() == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Secrets out of reach: each service holds only the secrets its role needs
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_secrets(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    from kernelcrew.config import SECRET_ENV
+
+    for name in SECRET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _start_worker() -> Any:
+    from typer.testing import CliRunner
+
+    from kernelcrew import cli
+
+    return CliRunner().invoke(cli.app, ["worker", "--broker", "redis://127.0.0.1:1/0", "--name", "kcsecret"])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OPENAI_API_KEY",
+        "KERNELCREW_OPENAI_API_KEY",
+        "ANTHROPIC_API_KEY",
+        "KERNELCREW_ANTHROPIC_API_KEY",
+        "KERNELCREW_LLM_API_KEY",
+        "KERNELCREW_DATABASE_URL",
+        "PGPASSWORD",
+    ],
+)
+def test_a_worker_handed_a_secret_it_does_not_need_refuses_to_start(no_secrets, name):
+    no_secrets.setenv(name, SECRET)
+    result = _start_worker()
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "kernelcrew worker refuses to start" in said and name in said and f"-u {name}" in said
+    assert SECRET not in result.output, "the value itself is never printed"
+    assert "cannot reach the broker" not in said, "refused before it connected to anything"
+
+
+def test_a_worker_with_only_the_broker_url_starts(no_secrets):
+    """Empty variables (compose's ``${OPENAI_API_KEY:-}``) hold no secret: the worker goes on to
+    its broker (here, one that does not answer)."""
+    no_secrets.setenv("OPENAI_API_KEY", "")
+    result = _start_worker()
+    assert result.exit_code == 2
+    assert "refuses to start" not in result.output
+
+
+def test_the_compose_file_gives_each_service_only_the_secrets_of_its_role():
+    import yaml
+
+    from kernelcrew.config import ROLE_SECRETS, SECRET_ENV
+
+    compose = yaml.safe_load((Path(kernelcrew.__file__).parents[1] / "docker-compose.yml").read_text())
+    services = compose["services"]
+    env = {name: set(services[name].get("environment") or {}) for name in ("api", "orchestrator", "worker")}
+    for role, names in env.items():
+        held = names & set(SECRET_ENV)
+        assert held <= ROLE_SECRETS[role], f"{role} holds {sorted(held - ROLE_SECRETS[role])}"
+    assert {"OPENAI_API_KEY", "ANTHROPIC_API_KEY"} <= env["orchestrator"]
+    assert "KERNELCREW_DATABASE_URL" in env["api"] and "KERNELCREW_DATABASE_URL" in env["orchestrator"]
+    assert env["worker"] == {"KERNELCREW_BROKER_URL"}
+    assert services["api"]["command"][-2:] == ["--orchestrators", "0"], "no orchestrator (and key) in the API"
+
+
+# ------------------------------------------------------------------------------------------------
+# Disk: the child's folder is a tmpfs of KERNELCREW_SANDBOX_DISK_MB
+# ------------------------------------------------------------------------------------------------
+
+FILL_DISK = """
+import os
+kept = []
+written = 0
+try:
+    for i in range(10_000):  # files under RLIMIT_FSIZE each, and unlinked ones held open
+        f = open(f"fill-{i}", "wb")
+        for _ in range(4):
+            f.write(b"x" * (1 << 20))
+            written += 1 << 20
+        if i % 2:
+            os.unlink(f"fill-{i}")
+            kept.append(f)
+        else:
+            f.close()
+except OSError as exc:
+    raise SystemExit(f"stopped after {written >> 20} MiB: {exc}")
+
+
+class Model:
+    pass
+
+
+ModelNew = Model
+
+
+def get_inputs():
+    return []
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_child_writing_past_its_disk_limit_is_stopped_and_the_host_keeps_its_disk(
+    role, box_settings, tmp_path
+):
+    limits = SandboxLimits(**{**LIMITS.__dict__, "disk_bytes": 32 << 20})
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    res = sandbox.run(
+        "kernelcrew.tools.taskcheck:import_child",
+        {"source": FILL_DISK, "kind": role, "path": "fill.py"},
+        limits=limits,
+        settings=box_settings,
+        workdir=workdir,
+        keep_workdir=True,
+    )
+    said = f"{res.message} {res.output_tail}"
+    assert not res.ok and "wrote past its disk limit (32 MiB" in res.message, said
+    assert "No space left on device" in said
+    assert int(re.search(r"stopped after (\d+) MiB", said).group(1)) <= 32
+    on_host = sum(p.stat().st_size for p in (workdir / "child").rglob("*") if p.is_file())
+    assert on_host <= 32 << 20, "what came out of the box is bounded by its folder"
+    assert res.isolation["guarantees"]["filesystem"]
+
+
+def test_an_honest_child_still_hands_its_files_back(box_settings, tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    res = sandbox.run(
+        f"{T}:write_file", {}, limits=LIMITS, settings=box_settings, workdir=workdir, keep_workdir=True
+    )
+    assert res.ok, res.message
+    assert "inside.txt" in res.value["files"]
+    assert (workdir / "child" / "inside.txt").read_text() == "ok", "copied out of the box's folder"

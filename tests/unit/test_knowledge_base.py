@@ -13,6 +13,7 @@ import uuid
 import pytest
 from sqlalchemy import func, select, text
 
+from kernelcrew.api.kb import source_problems
 from kernelcrew.config import Settings, resolve_database_url
 from kernelcrew.knowledge_base import KnowledgeBase, Reader, WinRefused, signature
 from kernelcrew.knowledge_base.bm25 import BM25, tokenize
@@ -533,15 +534,26 @@ def test_export_import_round_trip_is_idempotent(kb):
     exported = kb.export()
     assert exported["format"] == "kernelcrew-kb" and len(exported["records"]) == 2
     bob = as_user(kb, "bob", "beta")
-    counts = bob.import_file(json.dumps(exported))
-    assert counts == {"records": 2, "inserted": 2, "improved": 0, "confirmed": 0, "unchanged": 0}
-    assert bob.import_file(json.dumps(exported))["unchanged"] == 2, "re-importing changes nothing"
+    counts = bob.import_file(json.dumps(exported), check_source=source_problems)
+    assert counts == {
+        "records": 2,
+        "inserted": 2,
+        "improved": 0,
+        "confirmed": 0,
+        "unchanged": 0,
+        "skipped": 0,
+    }
+    again = bob.import_file(json.dumps(exported), check_source=source_problems)
+    assert again["unchanged"] == 2, "re-importing changes nothing"
     mine = {r["strategy"]: r for r in bob.export()["records"] if r["owner"] == "bob"}
-    assert (
-        mine["fused_pointwise"]["visibility"] == "private"
-        and mine["fused_pointwise"]["speedup_compile"] == 1.1
+    assert mine["fused_pointwise"]["speedup_compile"] == 1.1
+    assert {r["visibility"] for r in mine.values()} == {"private"}, "private unless the importer shares"
+    shared = as_user(kb, "bob", "beta").import_file(
+        json.dumps(exported), check_source=source_problems, visibility="team"
     )
-    assert mine["torch_compile"]["team"] == "beta", "a team record goes to the importer's team"
+    assert shared["inserted"] == 2
+    teams = {r["team"] for r in bob.export()["records"] if r["owner"] == "bob" and r["visibility"] == "team"}
+    assert teams == {"beta"}, "a team record goes to the importer's team"
 
 
 def _bad_files() -> list[tuple[str, str]]:
@@ -602,7 +614,7 @@ def test_a_bad_import_file_changes_nothing(kb, raw, message):
     kb.record_win(win(), verdict=PASS)
     before = kb.export()["records"]
     with pytest.raises(ImportRefused, match=message):
-        kb.import_file(raw)
+        kb.import_file(raw, check_source=source_problems)
     assert kb.export()["records"] == before
 
 
@@ -616,9 +628,12 @@ def test_an_import_failing_midway_rolls_back(kb):
     assert [r["team"] for r in doc["records"]] == ["gamma", None]
     rows = verified(kb)
     with pytest.raises(ImportRefused, match=r"records\[1\]: visibility 'team' needs a team"):
-        as_user(kb, "zed").import_file(json.dumps(doc), visibility="team")
+        as_user(kb, "zed").import_file(json.dumps(doc), check_source=source_problems, visibility="team")
     assert verified(kb) == rows, "record 0 was rolled back with the failure of record 1"
-    assert as_user(kb, "zed", "gamma").import_file(json.dumps(doc), visibility="team")["inserted"] == 2
+    again = as_user(kb, "zed", "gamma").import_file(
+        json.dumps(doc), check_source=source_problems, visibility="team"
+    )
+    assert again["inserted"] == 2
 
 
 # ------------------------------------------------------------------------------------------------
