@@ -578,6 +578,9 @@ def _merge_timing(report: dict[str, Any], bench: BenchmarkResult) -> None:
         report["speedup_vs_compile"] = min(compiled.values()) / report["candidate_ms"]
     if bench.clock == "cpu-wall":
         report["flags"].append("CPU timings (wall clock): not GPU speedups")
+    profiled = bench.kinds.get("candidate")
+    if profiled:  # the kind of the calls that were timed, rather than of the verification calls
+        report["kind"], report["kind_evidence"] = profiled["kind"], profiled["evidence"]
     failure = bench.failure
     if failure is not None:
         report["verdict"], report["stage"], report["message"] = "fail", failure.stage, failure.message

@@ -206,6 +206,11 @@ class BenchmarkResult(Record):
     versions: Json = Field(default_factory=dict, description="Library versions.")
     seed: int | None = Field(None, description="The seed of the inputs.")
     samples_checked: int | None = Field(None, description="Timed outputs judged against the golden.")
+    kinds: dict[str, Json] = Field(
+        default_factory=dict,
+        description="Each candidate's kind (kernel, hybrid, compiler, library) and its evidence, from a "
+        "profile of calls on fresh data.",
+    )
     failure: TimingFailure | None = Field(None, description="Why the run failed, if it did.")
     phase_s: dict[str, float] | None = Field(None, description="The executor's phases, seconds.")
     golden_phase_s: dict[str, float] | None = Field(None, description="The golden child's phases.")

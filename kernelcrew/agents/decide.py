@@ -18,7 +18,7 @@ from kernelcrew.agents.planner import step_key
 from kernelcrew.agents.profiler import diagnose
 from kernelcrew.agents.state import Candidate, CrewState
 
-KIND_RANK = {"kernel": 0, "library": 1, "compiler": 2}
+KIND_RANK = {"kernel": 0, "hybrid": 1, "library": 2, "compiler": 3}
 NOISE = 0.02
 """Relative gain below which a faster candidate is not better: the timer's spread (see docs/benchmarks.md)."""
 
@@ -30,7 +30,7 @@ def is_better(new: Candidate, best: Candidate | None, device: str) -> bool:
     if device == "cpu":
         if best is None:
             return True
-        return KIND_RANK.get(new.kind or "", 3) < KIND_RANK.get(best.kind or "", 3)
+        return KIND_RANK.get(new.kind or "", len(KIND_RANK)) < KIND_RANK.get(best.kind or "", len(KIND_RANK))
     if not new.significant or new.time_ms is None:
         return False
     if best is None or best.time_ms is None:

@@ -189,6 +189,9 @@ def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candi
         ctx.emit("timing", candidate=cand.id, verdict="fail", message=timed.message)
         return timed
     ratio = bench.ratios.get(cand.id)
+    profiled = bench.kinds.get(cand.id)
+    if profiled:  # whose kernels did the timed work, from a profile of calls on fresh data
+        timed.kind = profiled["kind"]
     timed.time_ms = bench.median_ms(cand.id)
     timed.speedup_eager = ratio.median if ratio else None
     timed.speedup_eager_ci = [ratio.ci_low, ratio.ci_high] if ratio else None

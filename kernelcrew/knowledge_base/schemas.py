@@ -29,7 +29,7 @@ PatternKind = Literal["attention", "matmul", "conv", "reduction", "pointwise", "
 Visibility = Literal["private", "team", "public"]
 Clock = Literal["cuda-event", "cpu-wall"]
 Bottleneck = Literal["memory", "compute", "latency", "launch"]
-SourceKind = Literal["kernel", "library", "compiler"]
+SourceKind = Literal["kernel", "hybrid", "library", "compiler"]
 
 
 def _text(value: str, *, lines: bool = True) -> str:

@@ -787,12 +787,13 @@ def _judged_goldens(
 
 def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> dict[str, Any]:
     """The candidates' side of a benchmark: each candidate timed on request with fresh data; the
-    outputs the parent chose to judge (told only after each rep) are written to ``samples.pt``.
+    outputs the parent chose to judge (told only after each rep) are written to ``samples.pt``;
+    each candidate's kind from a profile of calls on fresh data (:mod:`kernelcrew.tools.kinds`).
     Global state and every output are checked after every call."""
     import torch
 
-    from kernelcrew.tools import timing
-    from kernelcrew.tools.anticheat import snapshot_state, state_changes
+    from kernelcrew.tools import kinds, timing
+    from kernelcrew.tools.anticheat import output_problems, snapshot_state, state_changes
 
     device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
     apply_precision(policy)
@@ -806,6 +807,7 @@ def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> di
         builds[name] = build
         callables[name] = lambda inputs, m=model: m(*inputs)
     candidate_files = tuple(c["path"] for c in payload["candidates"].values())
+    own = {name: kinds.own_names(cand["source"]) for name, cand in payload["candidates"].items()}
 
     with timing._on_device(dev):
         dev_sets = [to_device(s, device) for s in input_lists]
@@ -815,16 +817,29 @@ def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> di
             changes = state_changes(baseline_state, snapshot_state(candidate_files))
             if changes:
                 raise StageError("state", f"timing {name} changed global state: " + "; ".join(changes))
-            try:
-                flatten_outputs(out)
-            except TypeError as exc:
-                raise StageError("timed_output", f"{name}: {exc}") from exc
+            problems = output_problems(out)
+            if problems:
+                raise StageError("timed_output", f"{name}: " + "; ".join(problems[:3]))
 
         lane = timing.Lane(
             callables, dev_sets, dev, _timing_config(payload), fresh=True, check_call=check_call
         )
         while (message := channel.receive()) is not None:
-            reply = {**lane.info(), "builds": builds} if message["op"] == "ready" else lane.handle(message)
+            if message["op"] == "ready":
+                reply = {**lane.info(), "builds": builds}
+            elif message["op"] == "kinds":
+                fresh = [
+                    timing.fresh_inputs(dev_sets[i % len(dev_sets)], seed)
+                    for i, seed in enumerate(message["seeds"])
+                ]
+                reply = {}
+                for name, fn in callables.items():
+                    kind, evidence = kinds.profile_kind(
+                        fn, fresh, device=device, own=own[name], reps=len(fresh)
+                    )
+                    reply[name] = {"kind": kind, "evidence": evidence}
+            else:
+                reply = lane.handle(message)
             channel.reply(reply)
         torch.save(lane.kept, workdir / "child" / "samples.pt")
     return {"builds": builds}

@@ -1167,6 +1167,7 @@ def benchmark(
                 seeded=True,
             )
             judged = dict(stats.pop("samples_taken"))
+            kinds = _profiled_kinds(sides, stats, device, candidates)
             profile = None
             if judged:
                 sides.reference.request({"op": "golden", "samples": judged})
@@ -1186,6 +1187,7 @@ def benchmark(
                 "builds": cand_info.get("builds", {}),
                 "hardware": ref_info["hardware"],
                 "versions": ref_info["versions"],
+                "kinds": kinds,
                 **({"profile": profile} if profile is not None else {}),
             }
         )
@@ -1196,6 +1198,46 @@ def benchmark(
             if failure is not None:
                 result.failure = failure
         return result
+
+
+#: Calls of each candidate profiled for its kind, on fresh data (the Triton interpreter is slow).
+KIND_CALLS = {"cuda": 10, "cpu": 2}
+#: The profiled calls may take at most this much longer than the timed median (plus 20 us) before
+#: the profile is taken not to show what was timed.
+_KIND_TIME_SLACK = 1.5
+
+
+def _profiled_kinds(
+    sides: _Sides, stats: dict[str, Any], device: str, candidates: dict[str, Any]
+) -> dict[str, Any]:
+    """Each candidate's kind from a profile of its calls on fresh data, cross-checked with the
+    timing: a candidate whose profiled calls take much longer than its timed ones ran something
+    else when profiled, and its own kernels do not count."""
+    import secrets
+
+    if not candidates:
+        return {}
+    reps = KIND_CALLS["cuda" if device.startswith("cuda") else "cpu"]
+    found = sides.candidate.request({"op": "kinds", "seeds": [secrets.randbits(62) for _ in range(reps)]})
+    for name, entry in found.items():
+        evidence = entry["evidence"]
+        calls = evidence.get("calls_profiled") or 0
+        per_call_us = float(evidence.get("total_us", 0.0)) / calls if calls else 0.0
+        timed_us = float(stats["results"][name]["median_ms"]) * 1e3
+        evidence["profiled_us_per_call"], evidence["timed_us"] = per_call_us, timed_us
+        # On a CPU the profiler's own cost (it times every interpreted launch) is too large for this.
+        on_gpu = device.startswith("cuda")
+        if (
+            on_gpu
+            and entry["kind"] in ("kernel", "hybrid")
+            and per_call_us > _KIND_TIME_SLACK * timed_us + 20
+        ):
+            entry["kind"] = "library"
+            evidence["note"] = (
+                f"the profiled calls took {per_call_us:.1f} us each, the timed ones {timed_us:.1f} us: "
+                "the profile does not show what was timed"
+            )
+    return found
 
 
 class _Sides:
