@@ -39,18 +39,30 @@ HONEST = textwrap.dedent(
     """
 )
 
-# Slows every nn.Module call of its process by 20 ms: in a shared process the eager baseline would
-# be 20 ms slower and the candidate would look about as fast as the reference.
+# Finds the task's Model class in its process and makes its forward sleep 20 ms: a judge that ran
+# the reference in the candidate's process would time a slowed baseline (the state checks do not
+# watch the task's own classes).
 SABOTAGE = textwrap.dedent(
     """
+    import gc
     import time
     import torch
     import torch.nn as nn
 
-    torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: time.sleep(0.02))
+    def _slow_down_the_reference():
+        for obj in gc.get_objects():
+            if isinstance(obj, type) and obj.__name__ == "Model" and issubclass(obj, nn.Module):
+                original = obj.forward
+
+                def forward(self, *args, _original=original):
+                    time.sleep(0.02)
+                    return _original(self, *args)
+
+                obj.forward = forward
 
     class ModelNew(nn.Module):
         def forward(self, x):
+            _slow_down_the_reference()
             return torch.tanh(x) * 2 + 1
     """
 )
@@ -120,9 +132,10 @@ def test_honest_candidate_passes_and_its_timed_outputs_are_judged(golden):
 def test_a_candidate_cannot_slow_the_baseline_down(golden):
     result = run(golden, SABOTAGE)
     assert result.failure is None, result.failure
+    honest = run(golden, HONEST)
+    # no Model lives in the candidates' process: the baseline is not slowed (nor the candidate)
     assert result.results["eager"].median_ms < 10, result.results["eager"]
-    assert result.results["cand"].median_ms > 20  # its own process pays for its hook
-    assert not result.ratios["cand"].significant or result.ratios["cand"].median < 1
+    assert result.results["eager"].median_ms < 3 * honest.results["eager"].median_ms + 1
 
 
 @pytest.mark.parametrize("source", [LATE_CHEAT, RETURNS_NOTHING], ids=["stale", "nothing"])
