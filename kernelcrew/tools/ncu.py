@@ -516,7 +516,9 @@ def profile(
     if res.status == "timeout":
         return {"available": False, "reason": f"ncu timed out after {wall_s:g} s"}
     if not res.ok:
-        return {"available": False, "reason": f"the profiled run failed: {res.message}"}
+        tail = " | ".join(line for line in res.output_tail.strip().splitlines()[-6:] if line.strip())
+        reason = f"the profiled run failed: {res.message}" + (f" (its output: {tail[-800:]})" if tail else "")
+        return {"available": False, "reason": reason}
     try:
         records = parse_csv(text)
     except NcuError as exc:
