@@ -1,7 +1,7 @@
 """The KernelBench evidence run: a seeded stratified sample of levels 1-3 through ``kernelcrew bench``.
 
 Sampling (``--list``, ``--copy-to DIR``). Every task file of ``ROOT/level{1,2,3}`` is put in one stratum by
-its file name alone (the rules are the ``*_FAMILIES`` tables below; the first matching rule wins):
+its file name alone (the rule tables below; the first matching rule wins):
 
 * level 1 by operator family: matmul, conv, conv_transposed, pointwise, norm (norms and softmax),
   reduction (reductions, arg-reductions and scans), pooling, loss, attention, other;
@@ -27,7 +27,9 @@ command's limit: no task starts when fewer than ``--reserve`` seconds (120) are 
 running 15 s before the limit are stopped, so the result file is always written. The result is
 ``RESULTS/NAME.json`` and ``.md``: per task the level, file, stratum, verdict, eager, compile and best
 times, the answer's kind, SOL and wall time; the summary (overall and per level) and the issue's
-targets with met / missed.
+targets with met / missed. Shares are of all tasks run (an errored task or one without an answer counts
+against them); ``fast_1`` is a verified answer whose speedup over eager is significant; the geomeans
+are over the verified answers; an own-kernel answer is one of kind ``kernel`` (not ``hybrid``).
 
     python bench/kernelbench.py --copy-to .kb
     python bench/kernelbench.py --run .kb --gpus 0,1 --wall-limit 570 --started "$T0"
@@ -257,8 +259,8 @@ def targets(summary: dict[str, Any], planned: int) -> list[dict[str, Any]]:
     ]
 
 
-def _f(x: Any, spec: str = ".4g") -> str:
-    return "-" if x is None else format(x, spec)
+def _f(x: Any, spec: str = ".4g", suffix: str = "") -> str:
+    return "-" if x is None else format(x, spec) + suffix
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -278,7 +280,7 @@ def markdown(data: dict[str, Any]) -> str:
             if peaks
             else []
         ),
-        f"Command: `{data.get('command')}`",
+        *(f"Command: `{c}`" for c in data.get("commands", [])),
         "",
         "| level | file | stratum | verdict | eager ms | compile ms | best ms | vs eager | vs compile | kind | SOL | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -296,7 +298,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append(
             f"- {label}: {st['tasks']} tasks; verified answer {st['verified']} ({_f(st['verified_share'], '.0%')}); "
             f"fast_1 over eager {st['fast_1']} ({_f(st['fast_1_share'], '.0%')}); geomean over the verified "
-            f"{_f(st['geomean_eager'], '.3g')}x over eager, {_f(st['geomean_compile'], '.3g')}x over torch.compile; "
+            f"{_f(st['geomean_eager'], '.3g', 'x')} over eager, {_f(st['geomean_compile'], '.3g', 'x')} over torch.compile; "
             f"own-kernel answers {st['own_kernels']} ({_f(st['own_kernels_share'], '.0%')}; kinds {st['kinds']}); "
             f"errored {len(st['errored'])}; over budget + 20 % {len(st['over_budget'])}"
         )
@@ -320,7 +322,7 @@ def markdown(data: dict[str, Any]) -> str:
         margin = None if t["margin"] is None else t["margin"] * (100 if t["unit"] == "share" else 1)
         lines.append(
             f"| {t['target']} | {_f(t['value'], spec)} | {_f(t['goal'], spec)} | {'met' if t['met'] else 'missed'} | "
-            f"{'-' if margin is None else format(margin, margin_spec) + suffix} |"
+            f"{_f(margin, margin_spec, suffix)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -387,7 +389,10 @@ def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str
     )
     data["device_kind"] = args.device
     data["seed"] = _manifest_seed(args.run)
-    data["command"] = " ".join(["python", "bench/kernelbench.py", *argv])
+    command = " ".join(["python", "bench/kernelbench.py", *argv])
+    previous = json.loads(results.read_text()) if results.exists() else {}
+    earlier = previous.get("commands", []) if previous.get("device_kind") == args.device else []
+    data["commands"] = [*earlier, command]  # a run continued over several calls lists each
     args.results.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(data, indent=2, default=str) + "\n")
     results.with_suffix(".md").write_text(markdown(data))

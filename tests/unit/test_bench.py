@@ -371,6 +371,7 @@ def test_kernelbench_cpu_dry_run_shards_resumes_and_writes_the_result(tmp_path, 
     )
     late = main([*run[: run.index("--wall-limit")], "--wall-limit", "60", "--", "--quick"])
     assert "no task starts" in capfd.readouterr().err and late["rows"] == saved["rows"]
+    assert len(late["commands"]) == 4 and late["commands"][-1].endswith("--wall-limit 60 -- --quick")
 
 
 def test_run_suite_collect_stops_a_shard_still_running_at_the_deadline(tmp_path):
