@@ -12,10 +12,13 @@ calibration), all at once. The shards' rows are merged in the suite's order into
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,62 @@ def merge(order: list[str], shards: list[dict[str, Any]]) -> dict[str, Any]:
     return data
 
 
+def launch(
+    suite: Path, order: list[str], gpus: list[str], out: Path, extra: list[str], *, device: str = "cuda"
+) -> list[tuple[str, Path, subprocess.Popen]]:
+    """One resuming ``kernelcrew bench`` per GPU on its dealt share of ``order``, all started at once.
+
+    Each shard is its own process group, so a shard stopped at a deadline takes its children with it.
+    """
+    procs = []
+    for gpu, names in zip(gpus, deal(order, len(gpus)), strict=True):
+        if not names:  # fewer tasks than GPUs: an empty --tasks would mean all of them
+            continue
+        shard = out / f"gpu{gpu}"
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "KERNELCREW_DATA_DIR": str(shard / "data")}
+        cmd = [sys.executable, "-m", "kernelcrew", "bench", str(suite), "--device", device]
+        cmd += ["--tasks", ",".join(names), "--out", str(shard), "--resume", *extra]
+        procs.append((gpu, shard, subprocess.Popen(cmd, env=env, start_new_session=True)))
+    return procs
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a shard's process group: SIGTERM, then SIGKILL after a grace period."""
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+
+
+def collect(
+    procs: list[tuple[str, Path, subprocess.Popen]], *, deadline: float | None = None
+) -> list[dict[str, Any]]:
+    """Wait for the shards (until ``deadline``, a ``time.monotonic()`` value, at most: then they are
+    stopped) and return the tables they wrote, each with its GPU. An interrupt stops them all."""
+    try:
+        for gpu, _, proc in procs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                proc.wait(left)
+            except subprocess.TimeoutExpired:
+                print(f"shard on GPU {gpu} still running at the deadline: stopped", file=sys.stderr)
+                _stop(proc)
+            if proc.returncode != 0:
+                print(f"shard on GPU {gpu} exited with {proc.returncode}", file=sys.stderr)
+    finally:
+        for _, _, proc in procs:
+            _stop(proc)
+    shards = []
+    for gpu, shard, _ in procs:
+        table = shard / "suite.json"
+        if table.exists():
+            shards.append({**json.loads(table.read_text()), "gpu": gpu})
+    return shards
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -55,20 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(ours)
     order = [p.stem for p in suite_tasks(args.suite)]
     gpus = [g for g in args.gpus.split(",") if g]
-    procs = []
-    for gpu, names in zip(gpus, deal(order, len(gpus)), strict=True):
-        shard = args.out / f"gpu{gpu}"
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "KERNELCREW_DATA_DIR": str(shard / "data")}
-        cmd = [sys.executable, "-m", "kernelcrew", "bench", str(args.suite), "--device", "cuda"]
-        cmd += ["--tasks", ",".join(names), "--out", str(shard), "--resume", *extra]
-        procs.append((gpu, shard, subprocess.Popen(cmd, env=env)))
-    shards = []
-    for gpu, shard, proc in procs:
-        if proc.wait() != 0:
-            print(f"shard on GPU {gpu} exited with {proc.returncode}", file=sys.stderr)
-        table = shard / "suite.json"
-        if table.exists():
-            shards.append({**json.loads(table.read_text()), "gpu": gpu})
+    shards = collect(launch(args.suite, order, gpus, args.out, extra))
     if not shards:
         raise SystemExit("no shard wrote a table")
     data = merge(order, shards)

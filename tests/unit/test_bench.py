@@ -184,3 +184,227 @@ def test_run_suite_deals_tasks_to_gpus_and_merges_their_tables_in_suite_order():
     assert data["summary"]["tasks"] == 3 and data["summary"]["geomean_eager"] == pytest.approx(2.0)
     assert [(s["gpu"], s["tasks"]) for s in data["shards"]] == [("0", ["a", "c"]), ("1", ["b"])]
     assert markdown(data).count("| a |") == 1
+
+
+def _kb_row(
+    task, *, verified=True, eager=2.0, compile_=1.0, kind="kernel", significant=True, wall=50.0, **extra
+):
+    return {
+        "task": task,
+        "status": "improved" if verified else "no_verified_candidate",
+        "verified": verified,
+        "speedup_eager": eager if verified else None,
+        "speedup_compile": compile_ if verified else None,
+        "significant": significant if verified else None,
+        "source_kind": kind if verified else None,
+        "wall_s": wall,
+        **extra,
+    }
+
+
+def test_kernelbench_summary_and_targets_on_a_fabricated_row_list():
+    """The summary's arithmetic (unit test of the summary code, not a result): shares of all rows,
+    geomeans over the verified, fast_1 needs significance, own kernels are ``kernel`` only, walls over
+    budget x 1.2, errors, per level; then the targets with met / missed and their margins."""
+    from bench.kernelbench import result
+
+    order = ["l1_a", "l1_b", "l2_c", "l2_d", "l2_e", "l3_f"]
+    rows = [
+        _kb_row("l1_a", eager=4.0, compile_=2.0, kind="library"),
+        _kb_row("l1_b", eager=1.0, significant=False, wall=108.5),  # verified, not fast_1; 108.5 > 1.2 x 90
+        _kb_row("l2_c", eager=2.0, compile_=1.0),
+        _kb_row("l2_d", eager=8.0, compile_=4.0, kind="hybrid"),
+        _kb_row("l2_e", verified=False),
+        {"task": "l3_f", "verified": False, "status": "error", "wall_s": 3.0, "error": "out of memory"},
+    ]
+    shard = {"suite": "s", "device": "H100", "settings": {"time_budget_s": 90.0}, "rows": rows}
+    data = result(order, [shard])
+    assert [r["level"] for r in data["rows"]] == [1, 1, 2, 2, 2, 3]
+    assert data["rows"][2]["file"] == "level2/c.py" and data["rows"][5]["verdict"] == "error"
+    s = data["summary"]
+    assert (s["tasks"], s["verified"], s["fast_1"], s["own_kernels"]) == (6, 4, 3, 2)
+    assert s["verified_share"] == pytest.approx(4 / 6) and s["fast_1_share"] == pytest.approx(0.5)
+    assert s["geomean_eager"] == pytest.approx((4 * 1 * 2 * 8) ** 0.25)
+    assert s["geomean_compile"] == pytest.approx((2 * 1 * 1 * 4) ** 0.25)
+    assert s["kinds"] == {"hybrid": 1, "kernel": 2, "library": 1}
+    assert (s["errored"], s["no_answer"], s["over_budget"]) == (["l3_f"], ["l2_e"], ["l1_b"])
+    l2 = s["levels"]["2"]
+    assert (l2["tasks"], l2["verified"], l2["own_kernels"]) == (3, 2, 1)
+    assert l2["geomean_compile"] == pytest.approx(2.0) and l2["own_kernels_share"] == pytest.approx(1 / 3)
+    assert s["levels"]["3"]["verified"] == 0 and s["levels"]["3"]["geomean_eager"] is None
+    t = {row["target"]: row for row in data["targets"]}
+    assert t["tasks that errored"]["met"] is False and t["tasks that errored"]["margin"] == 1
+    assert t["verified answer"]["met"] is False and t["verified answer"]["margin"] == pytest.approx(
+        4 / 6 - 0.97
+    )
+    assert t["level 2 geomean over torch.compile"]["met"] is True
+    assert t["level 2 own-kernel answers"]["met"] is False
+    assert t["tasks over their budget + 20 %"]["value"] == 1
+    assert t["tasks run (a sample of at least 60)"]["met"] is False
+    from bench.kernelbench import markdown
+
+    page = markdown({**data, "versions": {}})
+    assert "| 2 | level2/e.py | other/pointwise | none |" in page  # the stratum comes from the file name
+    assert "| 3 | level3/f.py | other | error |" in page
+    assert "| verified answer | 66.7% | 97.0% | missed | -30.3 points |" in page
+    assert page.count("| missed |") == 6 and page.count("| met |") == 1
+
+
+def test_kernelbench_sample_is_stratified_seeded_and_covers_every_stratum(tmp_path):
+    """The sample draws from every stratum (one seat each, then proportionally), the same for the
+    same seed, and copies into one flat folder with its manifest."""
+    from bench.kernelbench import allocate, main, sample, stratum
+
+    assert (
+        stratum(1, "19_ReLU.py") == "pointwise"
+        and stratum(1, "97_ScaledDotProductAttention.py") == "attention"
+    )
+    assert (
+        stratum(1, "72_conv_transposed_3D_x.py") == "conv_transposed"
+        and stratum(1, "3_Batched_matrix_multiplication.py") == "matmul"
+    )
+    assert (
+        stratum(2, "28_BMM_InstanceNorm_Sum.py") == "gemm/norm"
+        and stratum(2, "24_Conv3d_Min_Softmax.py") == "conv3d/reduce"
+    )
+    assert stratum(2, "26_ConvTranspose3d_Add_HardSwish.py") == "conv_transposed3d/pointwise"
+    assert stratum(3, "35_LSTM.py") == "rnn" and stratum(3, "8_ResNetBasicBlock.py") == "cnn_block"
+    assert allocate({"a": 10, "b": 5, "c": 1}, 4) == {"a": 2, "b": 1, "c": 1}
+    assert allocate({"a": 1, "b": 1}, 5) == {"a": 1, "b": 1}
+    root = tmp_path / "kb"
+    names = {
+        1: ["1_Matmul_x", "2_Matmul_y", "19_ReLU", "23_Softmax", "41_Max_Pooling_1D"],
+        2: ["1_Gemm_ReLU"],
+        3: [],
+    }
+    for level, files in names.items():
+        (root / f"level{level}").mkdir(parents=True)
+        for name in files:
+            (root / f"level{level}" / f"{name}.py").write_text(f"# {name}\n")
+    first = main(["--root", str(root), "--counts", "4,1,0", "--seed", "7", "--copy-to", str(tmp_path / "s")])
+    assert first == main(["--root", str(root), "--counts", "4,1,0", "--seed", "7", "--list"])
+    assert {e["stratum"] for e in first if e["level"] == 1} == {"matmul", "pointwise", "norm", "pooling"}
+    copied = sorted(p.name for p in (tmp_path / "s").glob("*.py"))
+    assert copied == sorted(f"{e['task']}.py" for e in first) and "l2_1_Gemm_ReLU.py" in copied
+    manifest = json.loads((tmp_path / "s" / "sample.json").read_text())
+    assert manifest["seed"] == 7 and len(manifest["tasks"]) == 5
+    picks = {e["file"] for seed in range(20) for e in sample(root, (1, 0, 0), seed)}
+    assert {"level1/1_Matmul_x.py", "level1/2_Matmul_y.py"} <= picks  # the seed picks within a stratum
+
+
+TINY_RELU = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(16, 40)]
+
+
+def get_init_inputs():
+    return []
+"""
+TINY_SCALE = TINY_RELU.replace("torch.relu(x)", "torch.sigmoid(x * 2.0 + 1.0)")
+
+
+def test_kernelbench_cpu_dry_run_shards_resumes_and_writes_the_result(tmp_path, capfd):
+    """The plumbing on a CPU (two tiny tasks of our own, not KernelBench): sample and copy, two shards
+    at once, the result files, a second call that runs nothing, a fresh machine (no shard tables)
+    that resumes from the result file, and a command with too little time left that starts nothing."""
+    from bench.kernelbench import main
+
+    root = tmp_path / "kb"
+    for level, name, text in [(1, "19_ReLU", TINY_RELU), (2, "1_Gemm_Sigmoid", TINY_SCALE)]:
+        (root / f"level{level}").mkdir(parents=True)
+        (root / f"level{level}" / f"{name}.py").write_text(text)
+    (root / "level3").mkdir()
+    sample_dir, out, results = tmp_path / "sample", tmp_path / "out", tmp_path / "results"
+    main(["--root", str(root), "--counts", "1,1,0", "--copy-to", str(sample_dir)])
+    run = [
+        "--run",
+        str(sample_dir),
+        "--device",
+        "cpu",
+        "--gpus",
+        "0,1",
+        "--out",
+        str(out),
+        "--results",
+        str(results),
+    ]
+    run += [
+        "--name",
+        "dry",
+        "--wall-limit",
+        "580",
+        "--",
+        "--max-iters",
+        "1",
+        "--compile-modes",
+        "none",
+        "--quick",
+    ]
+    data = main(run)
+    assert data["device_kind"] == "cpu" and data["clock"].startswith("cpu-wall")
+    assert [(r["task"], r["level"], r["stratum"]) for r in data["rows"]] == [
+        ("l1_19_ReLU", 1, "pointwise"),
+        ("l2_1_Gemm_Sigmoid", 2, "gemm/pointwise"),
+    ]
+    assert all(r["verdict"] == "verified" for r in data["rows"]), data["rows"]
+    assert [s["tasks"] for s in data["shards"]] == [["l1_19_ReLU"], ["l2_1_Gemm_Sigmoid"]]
+    assert data["summary"]["tasks"] == 2 and data["summary"]["errored"] == []
+    saved = json.loads((results / "dry.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(data["rows"], default=str))
+    assert "| 2 | level2/1_Gemm_Sigmoid.py | gemm/pointwise | verified" in (results / "dry.md").read_text()
+    capfd.readouterr()
+    again = main(run)
+    assert capfd.readouterr().err.count("skipped") == 2 and again["rows"] == saved["rows"]
+    shutil.rmtree(out)  # a fresh machine: only the result file came along
+    fresh = main(run)
+    err = capfd.readouterr().err
+    assert (
+        "2 finished tasks taken from" in err and err.count("skipped") == 2 and fresh["rows"] == saved["rows"]
+    )
+    late = main([*run[: run.index("--wall-limit")], "--wall-limit", "60", "--", "--quick"])
+    assert "no task starts" in capfd.readouterr().err and late["rows"] == saved["rows"]
+    assert len(late["commands"]) == 4 and late["commands"][-1].endswith("--wall-limit 60 -- --quick")
+
+
+def test_run_suite_collect_stops_a_shard_still_running_at_the_deadline(tmp_path):
+    """A shard that outlives the deadline is stopped (its whole process group) and the tables the
+    others wrote are still collected."""
+    import subprocess
+    import time
+
+    from bench.run_suite import collect
+
+    (tmp_path / "gpu1").mkdir()
+    (tmp_path / "gpu1" / "suite.json").write_text(json.dumps({"rows": [{"task": "a"}]}))
+    slow = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    done = subprocess.Popen(["true"], start_new_session=True)
+    t0 = time.monotonic()
+    shards = collect([("0", tmp_path / "gpu0", slow), ("1", tmp_path / "gpu1", done)], deadline=t0 + 1)
+    assert time.monotonic() - t0 < 15 and slow.returncode is not None and slow.returncode < 0
+    assert shards == [{"rows": [{"task": "a"}], "gpu": "1"}]
+    for _ in range(50):  # its background child got the signal too: gone once it has been scheduled
+        if not _live_members(slow.pid):
+            break
+        time.sleep(0.1)
+    assert _live_members(slow.pid) == []
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of a process group that are still alive (not zombies), from /proc."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
