@@ -168,7 +168,7 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
         i = 0
         while i < len(run):
             for j in range(len(run), i, -1):
-                region = _lower(a, run[i:j], users) if _closed(a, run[i:j], users) else None
+                region = _lower(a, run[i:j]) if _closed(run[i:j], users) else None
                 if region is not None:
                     regions.append(region)
                     i = j
@@ -183,7 +183,7 @@ def _fusible(node: dict[str, Any]) -> bool:
     return node["op"] in FUSIBLE and node.get("shape") is not None and node.get("dtype") is not None
 
 
-def _closed(a: TaskAnalysis, piece: list[dict[str, Any]], users: dict[str, list[str]]) -> bool:
+def _closed(piece: list[dict[str, Any]], users: dict[str, list[str]]) -> bool:
     """Whether ``piece`` can be one kernel: only its last value is used after it, and what its
     in-place ops change is read nowhere else."""
     names = {n["name"] for n in piece}
@@ -259,9 +259,8 @@ def sub_analysis(a: TaskAnalysis, piece: list[dict[str, Any]]) -> TaskAnalysis:
     return TaskAnalysis(data)
 
 
-def _lower(a: TaskAnalysis, piece: list[dict[str, Any]], users: dict[str, list[str]]) -> Region | None:
+def _lower(a: TaskAnalysis, piece: list[dict[str, Any]]) -> Region | None:
     """The region of ``piece`` when a generator lowers it, else None."""
-    del users
     sub = sub_analysis(a, piece)
     preps = _last_dim_reductions(sub)
     if any(n["op"] in REDUCING for n in piece):
