@@ -112,7 +112,12 @@ def match(analysis: TaskAnalysis) -> tuple[AnchoredPlan | None, str]:
 
 
 def _match(a: TaskAnalysis) -> AnchoredPlan:
-    if not (a.traced or a.traced_at_shapes):
+    if a.traced_at_shapes:
+        raise Unsupported(
+            "the forward computes from its inputs' shapes (traced at the example's shapes only): "
+            "constants of the graph would be baked into the region kernels"
+        )
+    if not a.traced:
         raise Unsupported(f"the module could not be traced with torch.fx: {a.trace_error}")
     if any(e.get("kind") == "extra_state" for e in a.state_dict):
         raise Unsupported("the module has extra state in its state dict")
