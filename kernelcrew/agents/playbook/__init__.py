@@ -84,6 +84,15 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.matmul",
         ),
         Strategy(
+            "anchored_fusion",
+            "kernel",
+            "The module by its parts: library anchors (convolutions, matmuls, pooling, recurrent "
+            "cells, attention) kept as the same torch calls, each region between them (elementwise "
+            "chains, reductions over any dims, softmax, norms) fused into one own Triton kernel; "
+            "kernel or hybrid by where the time goes. Tried where no whole-module strategy applies.",
+            module=f"{_PKG}.anchored",
+        ),
+        Strategy(
             "sdpa_attention",
             "library",
             "The forward spells attention out (softmax(q @ k^T * scale + bias) @ v): its own graph "

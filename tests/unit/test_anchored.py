@@ -1,0 +1,221 @@
+"""The anchored_fusion strategy: library anchors kept, the regions between them lowered to own kernels."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from kernelcrew.agents import playbook
+from kernelcrew.agents.playbook import anchored, applicable, generate
+from kernelcrew.config import Settings
+from kernelcrew.tools.anticheat import static_check
+from kernelcrew.tools.correctness import make_golden, verify
+from kernelcrew.tools.timing import benchmark
+from tests.conftest import local_analysis
+
+SETTINGS = Settings(sandbox_timeout_s=300)
+
+
+def task(init: str, forward: str, inputs: str, tests: str) -> str:
+    return textwrap.dedent(
+        """
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+        {init}
+
+            def forward(self, x):
+        {forward}
+
+
+        def get_inputs():
+            return [{inputs}]
+
+
+        def get_init_inputs():
+            return []
+
+
+        def get_test_inputs():
+            return {tests}
+        """
+    ).format(
+        init=textwrap.indent(textwrap.dedent(init).strip(), " " * 8),
+        forward=textwrap.indent(textwrap.dedent(forward).strip(), " " * 8),
+        inputs=inputs,
+        tests=tests,
+    )
+
+
+#: name -> (task, generators of the regions it must lower, in graph order; ops it must leave to torch).
+TASKS = {
+    "conv_bias_relu_scale": (
+        task(
+            """
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.bias = nn.Parameter(torch.randn(4, 1, 1))
+            """,
+            """
+            x = self.conv(x)
+            x = x + self.bias
+            x = torch.relu(x)
+            return x * 0.5
+            """,
+            "torch.randn(2, 3, 8, 8)",
+            "[[torch.randn(1, 3, 6, 7)]]",
+        ),
+        ["pointwise"],
+        [],
+    ),
+    "linear_layernorm_gelu": (
+        task(
+            """
+            self.fc = nn.Linear(16, 24)
+            self.ln = nn.LayerNorm(24)
+            """,
+            "return F.gelu(self.ln(self.fc(x)))",
+            "torch.randn(5, 16)",
+            "[[torch.randn(3, 16)], [torch.randn(2, 3, 16)]]",
+        ),
+        ["rows"],
+        [],
+    ),
+    "conv_spatial_mean_sigmoid": (
+        task(
+            "self.conv = nn.Conv2d(3, 4, 3)",
+            """
+            x = self.conv(x)
+            x = torch.mean(x, dim=(2, 3), keepdim=True)
+            return torch.sigmoid(x)
+            """,
+            "torch.randn(2, 3, 8, 8)",
+            "[[torch.randn(1, 3, 5, 9)]]",
+        ),
+        ["rows"],
+        [],
+    ),
+    "gemm_softmax_double": (
+        task(
+            "self.fc = nn.Linear(16, 10)",
+            """
+            x = self.fc(x)
+            x = torch.softmax(x, dim=1)
+            return x * 2.0
+            """,
+            "torch.randn(6, 16)",
+            "[[torch.randn(1, 16)], [torch.randn(9, 16)]]",
+        ),
+        ["rows"],
+        [],
+    ),
+    "two_anchors": (
+        task(
+            """
+            self.fc1 = nn.Linear(8, 12)
+            self.fc2 = nn.Linear(12, 6)
+            """,
+            """
+            x = x * 2.0 + 1.0
+            x = self.fc1(x)
+            x = torch.softmax(x, dim=1)
+            x = torch.tanh(x) - 0.5
+            x = self.fc2(x)
+            return torch.logsumexp(x, dim=-1)
+            """,
+            "torch.randn(2, 5, 8)",
+            "[[torch.randn(3, 4, 8)]]",
+        ),
+        ["pointwise", "pointwise", "rows"],
+        ["softmax"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_regions_lower_and_the_candidate_verifies(name):
+    source, generators, left = TASKS[name]
+    analysis = local_analysis(source)
+    plan, reason = anchored.match(analysis)
+    assert plan is not None, reason
+    assert [r.generator for r in plan.regions] == generators
+    assert [analysis.node(n)["op"] for n in plan.left] == left
+    assert "anchored_fusion" in [s.name for s, _ in applicable(analysis)], playbook.rejected(analysis)
+    params = playbook.tuning_space("anchored_fusion", analysis, "cpu")[0]
+    candidate = generate("anchored_fusion", source, analysis, params)
+    assert static_check(candidate) == []
+    golden = make_golden(source, device="cpu", precision="strict", settings=SETTINGS)
+    try:
+        verdict = verify(source, candidate, golden=golden, settings=SETTINGS)
+        assert verdict.verdict == "pass", (verdict.stage, verdict.message)
+        # the anchors are the reference's own ops: the kind comes from where the time goes
+        timed = benchmark(
+            source, {"anchored": (candidate, "candidate.py")}, golden=golden, quick=True, settings=SETTINGS
+        )
+    finally:
+        golden.cleanup()
+    assert timed.failure is None, timed.failure
+    kind = timed.kinds["anchored"]
+    assert kind["kind"] in ("kernel", "hybrid"), kind["evidence"]
+
+
+def test_whole_module_strategies_come_first():
+    """A module one whole-module strategy covers is not split into parts."""
+    linear_relu = task(
+        "self.fc = nn.Linear(8, 4)", "return torch.relu(self.fc(x))", "torch.randn(3, 8)", "[]"
+    )
+    plan, reason = anchored.match(local_analysis(linear_relu))
+    assert plan is None
+    assert "matmul_epilogue" in reason
+
+
+def test_nothing_to_lower_says_why():
+    conv_only = task("self.conv = nn.Conv2d(3, 4, 3)", "return self.conv(x)", "torch.randn(1, 3, 6, 6)", "[]")
+    plan, reason = anchored.match(local_analysis(conv_only))
+    assert plan is None
+    assert "no region" in reason
+
+
+def test_a_mutated_value_read_later_is_not_fused():
+    """relu_ changes the conv's output in place; a later reader of it must see the change."""
+    source = task(
+        "self.conv = nn.Conv2d(3, 4, 3)",
+        """
+        y = self.conv(x)
+        z = torch.relu_(y)
+        return torch.cat([y * 2.0, z], dim=1)
+        """,
+        "torch.randn(1, 3, 6, 6)",
+        "[]",
+    )
+    plan, _ = anchored.match(local_analysis(source))
+    assert plan is not None
+    fused = {n for r in plan.regions for n in r.nodes}
+    assert "relu_" not in fused
+
+
+def test_tuning_space_per_architecture():
+    source = TASKS["two_anchors"][0]
+    analysis = local_analysis(source)
+    cpu = playbook.tuning_space("anchored_fusion", analysis, "cpu")
+    h100 = playbook.tuning_space("anchored_fusion", analysis, "sm_90")
+    assert len(cpu) == 1
+    assert len(h100) > 1
+    for params in h100:
+        assert set(params) == {"pointwise", "rows"}
+        assert params["pointwise"]["BLOCK_SIZE"] >= 512
+    assert len({repr(p) for p in h100}) == len(h100)
+    with pytest.raises(ValueError, match="unknown"):
+        generate("anchored_fusion", source, analysis, {"BLOCK": 4})
+
+
+def test_the_playbook_tries_it_before_the_compiler():
+    analysis = local_analysis(TASKS["conv_bias_relu_scale"][0])
+    names = [s.name for s, _ in applicable(analysis)]
+    assert names.index("anchored_fusion") < names.index("torch_compile")
+    assert "anchored_fusion" not in playbook.rejected(analysis)
