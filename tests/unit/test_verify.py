@@ -387,3 +387,13 @@ def test_a_scale_where_pytorch_itself_loses_accuracy_is_not_tested():
         notes = g.meta["notes"]
     assert 1e-3 not in factors
     assert any("x0.001" in n and "PyTorch's own output" in n for n in notes), notes
+
+
+def test_a_norm_without_eps_fails_only_on_the_small_scaled_set(goldens):
+    verdict = verify(
+        goldens["layernorm"].task_source,
+        (FIXTURES / "candidates" / "layernorm_no_eps.py").read_text(),
+        golden=goldens["layernorm"],
+    )
+    origins = {(f["input_set"]["origin"], f["input_set"].get("factor")) for f in verdict.failures}
+    assert origins == {("scaled", min(SCALE_FACTORS))}, verdict.failures
