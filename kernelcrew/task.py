@@ -10,8 +10,9 @@ Two levels of checking:
 * :func:`check_source` parses the file without running it (safe in any process): syntax errors
   with their line, missing definitions, wrong kinds of definition.
 * :func:`load_task` / :func:`load_candidate` import the file and check what it built (callables,
-  an ``nn.Module`` subclass, inputs that are lists of tensors). Importing runs user code, so the
-  verifier calls these inside the sandbox only (see :mod:`kernelcrew.tools.taskcheck`).
+  an ``nn.Module`` subclass, inputs that are tensors, plain values, or lists, tuples and dicts of
+  them). Importing runs user code, so the verifier calls these inside the sandbox only (see
+  :mod:`kernelcrew.tools.taskcheck`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import threading
 import traceback
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -223,7 +225,12 @@ def load_candidate(source: str, path: str = "candidate.py", name: str | None = N
 
 
 def call_inputs(fn: Any, what: str, path: str) -> list[Any]:
-    """Call ``get_inputs``/``get_init_inputs`` and check it returned a list or tuple."""
+    """Call ``get_inputs``/``get_init_inputs`` and check it returned a list or tuple.
+
+    The values of ``get_inputs`` (not of ``get_init_inputs``, which never leave the process that
+    builds the model) must survive ``torch.save`` and a ``weights_only`` load: see
+    :func:`check_input_values`.
+    """
     try:
         value = fn()
     except Exception as exc:
@@ -232,7 +239,46 @@ def call_inputs(fn: Any, what: str, path: str) -> list[Any]:
         ) from exc
     if not isinstance(value, list | tuple):
         raise TaskError(f"{what}() must return a list, got {type(value).__name__}", path=path)
+    if what != "get_init_inputs":
+        check_input_values(value, what, path)
     return list(value)
+
+
+def check_input_values(inputs: list[Any] | tuple[Any, ...], what: str, path: str) -> None:
+    """Refuse an input the harness cannot carry between processes, naming where it is.
+
+    Inputs are tensors, numbers, strings, bytes, None, dtypes and devices, or lists, tuples and
+    dicts (string or integer keys) of them, nested to any depth: what ``torch.load(...,
+    weights_only=True)`` reads back. Anything else raises :class:`TaskError` with the value's
+    index path, e.g. ``get_inputs()[0][1] is a slice``.
+    """
+    import torch
+
+    leaves = (torch.Tensor, bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+    def visit(value: Any, where: str) -> None:
+        if value is None or isinstance(value, leaves):
+            return
+        if type(value) in (list, tuple, torch.Size):
+            for i, item in enumerate(value):
+                visit(item, f"{where}[{i}]")
+            return
+        if type(value) in (dict, OrderedDict):
+            for key, item in value.items():
+                if not isinstance(key, str | int):
+                    raise TaskError(
+                        f"{where} has a key of type {type(key).__name__}; use str or int", path=path
+                    )
+                visit(item, f"{where}[{key!r}]")
+            return
+        raise TaskError(
+            f"{where} is a {type(value).__name__}: inputs must be tensors, numbers, strings or None, "
+            "or lists, tuples and dicts of them",
+            path=path,
+        )
+
+    for i, value in enumerate(inputs):
+        visit(value, f"{what}()[{i}]")
 
 
 def test_input_sets(task: Task) -> list[list[Any]]:

@@ -7,18 +7,22 @@
 3. a golden child (sandboxed, before any candidate code exists anywhere): fresh inputs from
    ``get_inputs()`` under at least 5 seeds derived from a per-run secret seed, every
    ``get_test_inputs()`` set, signed variants of non-negative inputs where the reference stays
-   finite; the reference in ``.eval()`` with constant parameters randomized, run in float64 on the
-   device (golden) and in its own dtype (native, to measure PyTorch's own error);
+   finite, magnitude-scaled variants (x100, x1e-3) where it stays finite and PyTorch's own output
+   stays well inside the tolerance;
+   the reference in ``.eval()`` with constant parameters randomized, run in float64 on the device
+   (golden) and in its own dtype (native, to measure PyTorch's own error);
 4. a candidate child (sandboxed, separate directory, no golden outputs in reach): build, weights by
    state dict (or ``ModelNew.load_reference``), every input set with memory poisoned with NaN,
    global state and inputs checked around every call, the same inputs twice, and the caching
    sequence A, B, A at a new address, B's data at A's address;
 5. the judgement here, in the parent: every output against the golden by the pass rule below.
 
-Pass rule, per output: exact dtype and shape; NaN/Inf only where the golden (or PyTorch itself in
-the output dtype) has them; every element within ``atol + rtol*|golden|`` with ``atol`` scaled to
-the golden's RMS; and relative L2 error within ``max(floor, 4 x PyTorch's own error)``.
-Integer and boolean outputs must match exactly.
+Pass rule, per output: exact dtype and shape; every element judged against the float64 golden:
+NaN only where it is NaN, Inf only where it is that Inf or beyond the dtype's range with that sign,
+every finite value within ``atol + rtol*|golden|`` with ``atol`` scaled to the RMS of the
+representable goldens; and relative L2 error within ``max(floor, 4 x PyTorch's own error)``.
+PyTorch's own output is only that measure, never a licence. Integer and boolean outputs must match
+exactly.
 """
 
 from __future__ import annotations
@@ -126,7 +130,12 @@ class Failure:
 
 
 def compare_output(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
-    """Judge one output tensor; returns metrics and ``ok`` (and ``stage``/``message`` when not ok)."""
+    """Judge one output tensor; returns metrics and ``ok`` (and ``stage``/``message`` when not ok).
+
+    Every element is judged against the float64 golden; ``native`` (the reference in its own
+    dtype) only sets how much relative L2 error PyTorch itself makes, never where an error is
+    allowed.
+    """
     import torch
 
     result: dict[str, Any] = {"ok": False}
@@ -161,55 +170,7 @@ def compare_output(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[
 
     if cand.is_complex():
         cand, golden, native = (torch.view_as_real(t) for t in (cand, golden, native))
-    streamed = _compare_finite(cand, golden, native, tol)
-    if streamed is not None:
-        return streamed
-    c = cand.to("cpu", torch.float64)
-    g = golden.to("cpu", torch.float64)
-    n = native.to("cpu", torch.float64)
-    g_fin, c_fin, n_fin = torch.isfinite(g), torch.isfinite(c), torch.isfinite(n)
-
-    # Non-finite values: only where the golden (or PyTorch itself in this dtype) has them, and alike.
-    same_nonfinite = (
-        (c == g) | (torch.isnan(c) & torch.isnan(g)) | (c == n) | (torch.isnan(c) & torch.isnan(n))
-    )
-    bad_nonfinite = (~c_fin & ~same_nonfinite) | (~g_fin & ~n_fin & ~same_nonfinite)
-    if bool(bad_nonfinite.any()):
-        idx = bad_nonfinite.nonzero()[0].tolist()
-        count = int(bad_nonfinite.sum())
-        kind = (
-            "NaN"
-            if bool(torch.isnan(c[tuple(idx)]))
-            else ("Inf" if not bool(c_fin[tuple(idx)]) else "a finite value")
-        )
-        return {
-            **result,
-            "stage": "nan",
-            "message": f"{count} element(s) are NaN/Inf where the reference is not (first: {kind} at {idx})",
-            "first_bad_index": idx,
-        }
-
-    both = g_fin & c_fin & n_fin
-    gv, cv, nv = g[both], c[both], n[both]
-    rms = float(gv.pow(2).mean().sqrt()) if gv.numel() else 0.0
-    atol = tol.atol_rms * max(rms, 1e-30)
-    err = (cv - gv).abs()
-    limit = atol + tol.rtol * gv.abs()
-    norm_g = float(gv.norm()) if gv.numel() else 0.0
-    denom = norm_g if norm_g > 0 else 1.0
-    rel_l2 = float((cv - gv).norm()) / denom if gv.numel() else 0.0
-    ref_l2 = float((nv - gv).norm()) / denom if gv.numel() else 0.0
-    max_abs = float(err.max()) if err.numel() else 0.0
-    max_rel = float((err / gv.abs().clamp_min(max(rms, 1e-30))).max()) if err.numel() else 0.0
-    over = err > limit
-    count = int(over.sum())
-    first = None
-    if count:
-        full = torch.zeros_like(g, dtype=torch.bool)
-        full[both] = over
-        first = full.nonzero()[0].tolist()
-    metrics = _Metrics(rel_l2, ref_l2, max_abs, max_rel, atol, count, over.numel(), first)
-    return metrics.verdict(tol)
+    return _compare_float(cand, golden, native, tol)
 
 
 @dataclass
@@ -224,6 +185,18 @@ class _Metrics:
     over: int
     judged: int
     first_bad: list[int] | None
+    #: elements whose NaN/Inf status is wrong (see :func:`_compare_float`), the first of them
+    #: and what it holds against the golden
+    nonfinite: int = 0
+    first_nonfinite: list[int] | None = None
+    nonfinite_values: tuple[float, float] | None = None
+    #: elements whose golden is beyond the output dtype's range; the golden at ``first_bad`` when
+    #: that element is one of them
+    beyond_range: int = 0
+    first_bad_beyond: float | None = None
+    #: the largest error as a fraction of its element's limit (1.0: at the limit)
+    used: float = 0.0
+    dtype: str = "float32"
 
     def verdict(self, tol: Tolerance) -> dict[str, Any]:
         l2_limit = max(tol.l2_floor, 4.0 * self.ref_l2)
@@ -235,15 +208,36 @@ class _Metrics:
             "max_rel_error": self.max_rel,
             "atol": self.atol,
             "rtol": tol.rtol,
+            "tolerance_used": self.used,
         }
+        if self.beyond_range:
+            metrics["beyond_range"] = self.beyond_range
+        if self.nonfinite:
+            cand, gold = self.nonfinite_values or (math.nan, math.nan)
+            return {
+                "ok": False,
+                **metrics,
+                "stage": "nan",
+                "message": f"{self.nonfinite} element(s) disagree with the float64 golden on NaN/Inf "
+                f"(first at {self.first_nonfinite}: {cand:.4g} where the golden is {gold:.4g}); NaN "
+                f"passes only where the golden is NaN, Inf only where the golden is that Inf or beyond "
+                f"{self.dtype}'s range with its sign",
+                "first_bad_index": self.first_nonfinite,
+            }
         if self.over:
+            where = (
+                f"; there the golden {self.first_bad_beyond:.4g} is beyond {self.dtype}'s range, "
+                "where only Inf of its sign or a value within tolerance passes"
+                if self.first_bad_beyond is not None
+                else ""
+            )
             return {
                 "ok": False,
                 **metrics,
                 "stage": "correctness",
                 "message": f"{self.over} of {self.judged} elements outside atol {self.atol:.3g} + rtol "
                 f"{tol.rtol:g}*|ref| (max abs error {self.max_abs:.3g}, relative L2 {self.rel_l2:.3g}; "
-                f"first at {self.first_bad})",
+                f"first at {self.first_bad}{where})",
                 "first_bad_index": self.first_bad,
             }
         if self.rel_l2 > l2_limit:
@@ -261,53 +255,116 @@ class _Metrics:
 JUDGE_CHUNK = 1 << 18
 
 
-def _compare_finite(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any] | None:
-    """``compare_output``'s floating-point judgement in slices, or None when a value is not finite.
+def _compare_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
+    """``compare_output``'s floating-point judgement, in slices.
+
+    Each element falls in one of four cases by its float64 golden ``g``, with ``limit = atol +
+    rtol*|g|`` and ``atol`` scaled to the RMS of the goldens the dtype can represent:
+
+    * ``g`` NaN: the candidate must be NaN;
+    * ``g`` +-Inf: the candidate must be the same Inf;
+    * ``g`` finite beyond the dtype's largest value: Inf of ``g``'s sign, or a finite value within
+      ``limit`` (the largest value itself, just past the range);
+    * otherwise: a finite value within ``limit``.
+
+    Relative L2 errors (the candidate's, and PyTorch's own in its dtype, which sets the L2 bound)
+    are taken over the representable goldens, PyTorch's where its output is finite.
 
     Outputs of memory-bound tasks are hundreds of megabytes; judged whole in float64, every step is
-    a pass over DRAM and the verifier's parent spent more time comparing than the candidate took to
-    run. Here each slice is judged while it is in cache, with the same metrics: the golden's RMS
-    (one reduction first, it sets ``atol``), relative L2 errors of the candidate and of PyTorch in
-    its own dtype, the largest absolute and relative errors and the elements beyond the tolerance.
-    A NaN or Inf anywhere (seen as a non-finite sum of squares) hands over to the masked path,
-    which knows where non-finite values are allowed.
+    a pass over DRAM. Here each slice is judged while it is in cache. A first pass finds the
+    goldens' RMS (one norm when every golden is finite and representable, which is the usual
+    case), then each slice takes the fast path unless its error is not finite or the golden has
+    values outside the range, where the four cases above are told apart with masks.
     """
     import torch
 
+    dtype = str(cand.dtype).replace("torch.", "")
+    top = float(torch.finfo(cand.dtype).max)
     c, g, n = (t.detach().to("cpu").reshape(-1) for t in (cand, golden, native))
     numel = g.numel()
     if numel == 0:
-        return None
+        return _Metrics(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, None, dtype=dtype).verdict(tol)
+
     norm_g = float(torch.linalg.vector_norm(g, dtype=torch.float64))
-    if not math.isfinite(norm_g):
-        return None
-    rms = norm_g / math.sqrt(numel)
+    plain = math.isfinite(norm_g) and (
+        norm_g <= top or float(torch.linalg.vector_norm(g, ord=math.inf, dtype=torch.float64)) <= top
+    )
+    if plain:
+        sq_gold, representable = norm_g * norm_g, numel
+    else:
+        sq_gold, representable = 0.0, 0
+        for start in range(0, numel, JUDGE_CHUNK):
+            gs = g[start : start + JUDGE_CHUNK].to(torch.float64)
+            inside = gs.abs() <= top  # False for NaN and Inf
+            kept = torch.where(inside, gs, 0.0)
+            sq_gold += float(torch.dot(kept, kept))
+            representable += int(inside.sum())
+    rms = math.sqrt(sq_gold / representable) if representable else 0.0
     atol = tol.atol_rms * max(rms, 1e-30)
-    sq_err = sq_ref = max_abs = max_rel = 0.0
-    over, first = 0, None
+
+    m = _Metrics(0.0, 0.0, 0.0, 0.0, atol, 0, numel, None, dtype=dtype)
+    sq_err = sq_ref = 0.0
+    first = None
     for start in range(0, numel, JUDGE_CHUNK):
         part = slice(start, start + JUDGE_CHUNK)
         gs = g[part].to(torch.float64)
-        diff = c[part].to(torch.float64) - gs
-        ref = n[part].to(torch.float64) - gs
-        sq_err += float(torch.dot(diff, diff))
-        sq_ref += float(torch.dot(ref, ref))
-        if not (math.isfinite(sq_err) and math.isfinite(sq_ref)):
-            return None
-        err = diff.abs_()
-        scale = gs.abs()
-        max_abs = max(max_abs, float(err.max()))
-        max_rel = max(max_rel, float((err / scale.clamp_min(max(rms, 1e-30))).max()))
-        bad = err > scale.mul_(tol.rtol).add_(atol)
+        cs = c[part].to(torch.float64)
+        ns = n[part].to(torch.float64)
+        diff = cs - gs
+        ref = ns - gs
+        chunk_err = float(torch.dot(diff, diff))
+        if plain and math.isfinite(chunk_err):  # every golden representable, every value finite
+            judged = beyond = None
+            err = diff.abs_()
+            scale = gs.abs()
+        else:
+            g_fin, c_fin = torch.isfinite(gs), torch.isfinite(cs)
+            beyond = g_fin & (gs.abs() > top)
+            inside = g_fin & ~beyond
+            right_nonfinite = (
+                (torch.isnan(gs) & torch.isnan(cs))
+                | (torch.isinf(gs) & (cs == gs))
+                | (beyond & torch.isinf(cs) & ((cs > 0) == (gs > 0)))
+            )
+            wrong = ~right_nonfinite & (~g_fin | ~c_fin)
+            count = int(wrong.sum())
+            if count:
+                if m.first_nonfinite is None:
+                    at = int(wrong.nonzero()[0])
+                    m.first_nonfinite = _unravel(start + at, tuple(golden.shape))
+                    m.nonfinite_values = (float(cs[at]), float(gs[at]))
+                m.nonfinite += count
+            m.beyond_range += int(beyond.sum())
+            judged = g_fin & c_fin  # finite candidates: within tolerance, beyond the range too
+            diff = torch.where(inside & c_fin, diff, 0.0)  # the L2 error: representable goldens
+            chunk_err = float(torch.dot(diff, diff))
+            err = torch.where(judged, (cs - gs).abs(), 0.0)
+            scale = torch.where(g_fin, gs.abs(), 0.0)
+        ref_sq = float(torch.dot(ref, ref))
+        if not math.isfinite(ref_sq):  # PyTorch's own Inf/NaN: its error is measured where finite
+            mask = torch.isfinite(ns) & (gs.abs() <= top)
+            ref = torch.where(mask, ref, 0.0)
+            ref_sq = float(torch.dot(ref, ref))
+        sq_err += chunk_err
+        sq_ref += ref_sq
+        if err.numel():
+            m.max_abs = max(m.max_abs, float(err.max()))
+            m.max_rel = max(m.max_rel, float((err / scale.clamp_min(max(rms, 1e-30))).max()))
+        limit = scale.mul_(tol.rtol).add_(atol)
+        if err.numel():
+            m.used = max(m.used, float((err / limit).max()))
+        bad = err > limit  # err is 0 where not judged
         count = int(bad.sum())
         if count and first is None:
-            first = start + int(bad.nonzero()[0])
-        over += count
-    denom = norm_g if norm_g > 0 else 1.0
-    first_bad = None if first is None else _unravel(first, tuple(golden.shape))
-    return _Metrics(
-        math.sqrt(sq_err) / denom, math.sqrt(sq_ref) / denom, max_abs, max_rel, atol, over, numel, first_bad
-    ).verdict(tol)
+            at = int(bad.nonzero()[0])
+            first = start + at
+            if beyond is not None and bool(beyond[at]):
+                m.first_bad_beyond = float(gs[at])
+        m.over += count
+    denom = math.sqrt(sq_gold) if sq_gold > 0 else 1.0
+    m.rel_l2, m.ref_l2 = math.sqrt(sq_err) / denom, math.sqrt(sq_ref) / denom
+    m.first_bad = None if first is None else _unravel(first, tuple(golden.shape))
+    return m.verdict(tol)
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
@@ -632,6 +689,9 @@ def _flags(meta: dict[str, Any], notes: list[str]) -> list[str]:
         flags.append(f"input sets {zero} contain all-zero tensors")
     if any(r["origin"] == "signed" for r in sets):
         flags.append("signed variants of non-negative inputs tested")
+    scaled = [f"x{r['factor']:g} of set {r['of']}" for r in sets if r["origin"] == "scaled"]
+    if scaled:
+        flags.append(f"scaled variants tested ({len(scaled)}): {', '.join(scaled)}")
     flags.extend(n for n in notes if "get_test_inputs" not in n or len(shapes) > 1)
     return list(dict.fromkeys(flags))
 
@@ -712,7 +772,11 @@ def _judge(
                     Failure(
                         stage,
                         message,
-                        input_set={k: sets[idx][k] for k in ("index", "origin", "seed", "shapes")},
+                        input_set={
+                            k: sets[idx][k]
+                            for k in ("index", "origin", "seed", "shapes", "of", "factor")
+                            if k in sets[idx]
+                        },
                         output_index=o,
                         max_abs_error=res.get("max_abs_error"),
                         max_rel_error=res.get("max_rel_error"),
@@ -752,7 +816,12 @@ def _label(key: str, rec: dict[str, Any]) -> str:
         "seq:B_at_A_address": "B's data written into A's tensors, set",
     }
     prefix = key.rsplit(":", 1)[0]
-    return f"{names.get(prefix, prefix)} {rec['index']} ({rec['origin']}, shapes {', '.join(rec['shapes'])})"
+    origin = rec["origin"]
+    if origin == "scaled":
+        origin = f"scaled x{rec['factor']:g} of set {rec['of']}"
+    elif origin == "signed":
+        origin = f"signed variant of set {rec['of']}"
+    return f"{names.get(prefix, prefix)} {rec['index']} ({origin}, shapes {', '.join(rec['shapes'])})"
 
 
 __all__ = [

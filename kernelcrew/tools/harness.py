@@ -11,7 +11,9 @@ judges them (:mod:`kernelcrew.tools.correctness`).
 from __future__ import annotations
 
 import copy
+import math
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,19 @@ SIGN_SEED_OFFSET = 2000
 #: one already, and each further variant of a memory-bound task is hundreds of megabytes to make,
 #: store and run.
 SIGNED_SETS = 2
+#: Factors of the scaled variants, each applied to its own seed set (so their cost is bounded as the
+#: signed variants' is). x100 puts unit-scale data where exp() overflows float32 (exp(88.7) is its
+#: largest value): a softmax without max subtraction, a naive log(sum(exp)), tanh as a ratio of
+#: exponentials all give Inf or NaN. x1e-3 puts it where an epsilon is no longer negligible and
+#: squares underflow half precision: a norm that drops or misplaces its eps, or accumulates x*x in
+#: fp16, misses the golden. A variant is kept only where the float64 reference stays finite and
+#: PyTorch's own output passes the pass rule with room to spare (see VARIANT_TOLERANCE_USED).
+SCALE_FACTORS = (100.0, 1e-3)
+#: The most of the pass rule's tolerance PyTorch's own output may use on a scaled variant, unless it
+#: uses as much on the set it was scaled from (within a factor of 2: low-precision outputs spend a
+#: good part of it on their final rounding). Beyond that the scale is ill-conditioned for the task
+#: and would fail honest kernels that round differently.
+VARIANT_TOLERANCE_USED = 0.25
 INIT_SEED_OFFSET = 0
 #: The timing process compares the global state with its start every this many calls (a snapshot
 #: costs about a millisecond; the outputs are checked on every call).
@@ -83,6 +98,7 @@ def poisoned_memory():
 
 
 def map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor nested in its lists, tuples and dicts."""
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -92,6 +108,28 @@ def map_tensors(obj: Any, fn: Any) -> Any:
     if isinstance(obj, dict):
         return {k: map_tensors(v, fn) for k, v in obj.items()}
     return obj
+
+
+def iter_tensors(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every tensor nested in ``obj``'s lists, tuples and dicts with its index path, in a fixed order
+    (sequences in order, dicts in insertion order)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, list | tuple):
+        for i, item in enumerate(obj):
+            yield from iter_tensors(item, (*path, i))
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            yield from iter_tensors(item, (*path, key))
+
+
+def path_label(path: tuple[Any, ...]) -> str:
+    """An index path as it reads in messages: ``(1, 0, "w")`` is ``1[0]['w']``."""
+    if not path:
+        return "inputs"
+    return str(path[0]) + "".join(f"[{key!r}]" for key in path[1:])
 
 
 def to_device(obj: Any, device: str) -> Any:
@@ -104,6 +142,59 @@ def to_float64(obj: Any) -> Any:
 
 def clone_tensors(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().clone())
+
+
+def inputs_unchanged(snapshot: Any, inputs: Any) -> tuple[Any, ...] | None:
+    """The index path of the first place where ``inputs`` differ from ``snapshot`` (a
+    :func:`clone_tensors` copy taken before a call), or None when nothing changed.
+
+    A tensor changed when its shape, dtype or bits differ; a list, tuple or dict changed when its
+    type, length or keys differ (the path is then the container's); any other value when it no
+    longer compares equal.
+    """
+    return _first_difference(snapshot, inputs, ())
+
+
+def _first_difference(old: Any, new: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    import torch
+
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        same = isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and _tensor_equal(old, new)
+        return None if same else path
+    if isinstance(old, list | tuple | dict) or isinstance(new, list | tuple | dict):
+        if type(old) is not type(new) or len(old) != len(new):
+            return path
+        if isinstance(old, dict):
+            if list(old) != list(new):
+                return path
+            pairs = [(k, old[k], new[k]) for k in old]
+        else:
+            pairs = [(i, a, b) for i, (a, b) in enumerate(zip(old, new, strict=True))]
+        for key, a, b in pairs:
+            found = _first_difference(a, b, (*path, key))
+            if found is not None:
+                return found
+        return None
+    try:
+        return None if bool(old == new) or old is new else path
+    except Exception:  # a value whose comparison does not give one bool
+        return None if old is new else path
+
+
+def _tensor_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        both_nan = torch.isnan(a) & torch.isnan(b)
+        return bool(((a == b) | both_nan).all())
+    return bool(torch.equal(a, b))
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    """Same structure, every tensor the same shape, dtype and values (NaN equal to NaN)."""
+    return _first_difference(a, b, ()) is None
 
 
 def flatten_outputs(out: Any) -> list[Any]:
@@ -131,15 +222,28 @@ def synchronize(device: str) -> None:
 
 
 def describe_inputs(inputs: list[Any]) -> list[str]:
+    """One line per input: ``(4, 8):float32`` for a tensor, nested as ``[...]``, ``(...)`` and
+    ``{key: ...}`` for lists, tuples and dicts, the type's name for any other value."""
+    return [_describe(x) for x in inputs]
+
+
+def _describe(x: Any) -> str:
     import torch
 
-    out = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            out.append(f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}")
-        else:
-            out.append(type(x).__name__)
-    return out
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}"
+    if isinstance(x, list):
+        return "[" + ", ".join(_describe(v) for v in x) + "]"
+    if isinstance(x, tuple):
+        return "(" + ", ".join(_describe(v) for v in x) + ")"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in x.items()) + "}"
+    return type(x).__name__
+
+
+def zero_inputs(inputs: list[Any]) -> list[str]:
+    """The paths (:func:`path_label`) of the non-empty all-zero tensors in ``inputs``."""
+    return [path_label(p) for p, t in iter_tensors(inputs) if t.numel() > 0 and not bool(t.any())]
 
 
 def build_reference(task: Task, seed: int) -> tuple[Any, list[Any]]:
@@ -187,19 +291,22 @@ def randomize_constant_parameters(model: Any, seed: int) -> list[str]:
     return changed
 
 
-def shares_storage(out: Any, inputs: list[Any]) -> bool:
-    import torch
+def copy_into(dst: Any, src: Any) -> None:
+    """Write the data of ``src``'s tensors into ``dst``'s tensors in place (same structure and shapes),
+    so ``dst`` holds new data at its old addresses."""
+    sources = dict(iter_tensors(src))
+    for path, tensor in iter_tensors(dst):
+        tensor.copy_(sources[path])
 
+
+def shares_storage(out: Any, inputs: Any) -> bool:
+    """Whether a tensor of ``out`` shares memory with a tensor nested anywhere in ``inputs``."""
     ptrs = {
-        x.untyped_storage().data_ptr()
-        for x in inputs
-        if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > 0
+        t.untyped_storage().data_ptr() for _, t in iter_tensors(inputs) if t.untyped_storage().nbytes() > 0
     }
     return any(
-        isinstance(t, torch.Tensor)
-        and t.untyped_storage().nbytes() > 0
-        and t.untyped_storage().data_ptr() in ptrs
-        for t in flatten_outputs(out)
+        t.untyped_storage().nbytes() > 0 and t.untyped_storage().data_ptr() in ptrs
+        for _, t in iter_tensors(out)
     )
 
 
@@ -246,7 +353,8 @@ def _make_input_sets(task: Task, seed: int, n_seeds: int, device: str) -> list[d
 
 
 def _signed_variant(inputs: list[Any], seed: int, device: str = "cpu") -> list[Any] | None:
-    """Inputs with random signs on every non-negative floating tensor, or None if none is.
+    """Inputs with random signs on every non-negative floating tensor (nested ones too), or None if
+    none is.
 
     The signs are drawn on ``device`` (a GPU draws a memory-bound task's hundreds of millions in
     milliseconds, where the CPU took seconds); the variant comes back on the CPU, like the inputs.
@@ -255,14 +363,33 @@ def _signed_variant(inputs: list[Any], seed: int, device: str = "cpu") -> list[A
 
     gen = torch.Generator(device=device).manual_seed(seed)
     changed = False
-    out = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1 and bool((x >= 0).all()):
-            signs = torch.randint(0, 2, x.shape, generator=gen, device=device).to(x.dtype) * 2 - 1
-            out.append((x.to(device) * signs).to(x.device))
-            changed = True
-        else:
-            out.append(x)
+
+    def flip(x: Any) -> Any:
+        nonlocal changed
+        if not (x.is_floating_point() and x.numel() > 1 and bool((x >= 0).all())):
+            return x
+        signs = torch.randint(0, 2, x.shape, generator=gen, device=device).to(x.dtype) * 2 - 1
+        changed = True
+        return (x.to(device) * signs).to(x.device)
+
+    out = map_tensors(inputs, flip)
+    return out if changed else None
+
+
+def _scaled_variant(inputs: list[Any], factor: float, device: str = "cpu") -> list[Any] | None:
+    """Inputs with every floating tensor of more than one element (nested ones too) multiplied by
+    ``factor``, or None if there is none. Scalars stay: a 0-d tensor is more often a setting (a
+    temperature, an epsilon) than data. Computed on ``device``, returned on the CPU."""
+    changed = False
+
+    def scale(x: Any) -> Any:
+        nonlocal changed
+        if not (x.is_floating_point() and x.numel() > 1):
+            return x
+        changed = True
+        return (x.to(device) * factor).to(x.device)
+
+    out = map_tensors(inputs, scale)
     return out if changed else None
 
 
@@ -318,7 +445,9 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     reference_ops: dict[str, int] = {}
     golden_mode = "float64"
 
-    def add(entry: dict[str, Any], inputs: list[Any]) -> bool:
+    def add(entry: dict[str, Any], inputs: list[Any]) -> str | None:
+        """Run the reference on one input set and keep it; a variant (``of`` another set) that
+        the reference cannot judge is dropped, and the reason returned."""
         nonlocal reference_ops, golden_mode
         try:
             with torch.no_grad():
@@ -337,29 +466,50 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             ) from exc
         if mode != "float64":
             golden_mode = mode
-        if entry["origin"] == "signed":
-            base_nonfinite = sum(
-                int((~torch.isfinite(g)).sum()) for g in golden[entry["of"]] if g.is_floating_point()
-            )
-            nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in gold if g.is_floating_point())
-            if nonfinite > base_nonfinite:
-                return False
+        if "of" in entry:
+            reason = unusable(gold, nat, entry["of"], entry["origin"] == "scaled")
+            if reason:
+                return reason
         entry.update(
             index=len(records),
             shapes=describe_inputs(inputs),
             alias=alias,
             constant_output=all(g.numel() <= 1 or bool((g == g.reshape(-1)[0]).all()) for g in gold),
-            zero_inputs=[
-                i
-                for i, x in enumerate(inputs)
-                if isinstance(x, torch.Tensor) and x.numel() > 0 and not bool(x.any())
-            ],
+            zero_inputs=zero_inputs(inputs),
         )
         records.append(entry)
         golden.append(gold)
         native.append(nat)
-        input_lists.append([x.detach().to("cpu") if isinstance(x, torch.Tensor) else x for x in inputs])
-        return True
+        input_lists.append(map_tensors(inputs, lambda x: x.detach().to("cpu")))
+        return None
+
+    def used_by_pytorch(gold: list[Any], nat: list[Any]) -> float:
+        """How much of the pass rule's tolerance PyTorch's own outputs use (above 1: they fail)."""
+        from kernelcrew.tools.correctness import compare_output, op_class, tolerance_for
+
+        worst = 0.0
+        for g, n in zip(gold, nat, strict=True):
+            tol = tolerance_for(str(n.dtype).replace("torch.", ""), op_class(reference_ops), policy)
+            res = compare_output(n, g, n, tol)
+            worst = max(worst, res.get("tolerance_used", 0.0) if res["ok"] else math.inf)
+        return worst
+
+    def unusable(gold: list[Any], nat: list[Any], of: int, judge_native: bool) -> str:
+        def nonfinite(outs: list[Any]) -> int:
+            return sum(int((~torch.isfinite(g)).sum()) for g in outs if g.is_floating_point())
+
+        if nonfinite(gold) > nonfinite(golden[of]):
+            return "the float64 reference is not finite there"
+        if judge_native:
+            worst = used_by_pytorch(gold, nat)
+            base = used_by_pytorch(golden[of], native[of])
+            if worst > max(VARIANT_TOLERANCE_USED, 2 * base):
+                used = "fails the pass rule" if math.isinf(worst) else f"uses {worst:.0%} of the tolerance"
+                return (
+                    f"PyTorch's own output {used} there ({base:.0%} on input set {of}): "
+                    "too ill-conditioned to judge a candidate by"
+                )
+        return ""
 
     lap("model")
     for s in sets:
@@ -371,6 +521,16 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         if variant is not None:
             add({"origin": "signed", "seed": rec["seed"], "of": rec["index"]}, variant)
     lap("signed")
+    seed_records = [r for r in records if r["origin"] == "seed"]
+    for k, factor in enumerate(SCALE_FACTORS):
+        rec = seed_records[k % len(seed_records)]
+        variant = _scaled_variant(input_lists[rec["index"]], factor, device)
+        if variant is None:
+            break  # no floating input: no factor applies
+        reason = add({"origin": "scaled", "seed": rec["seed"], "of": rec["index"], "factor": factor}, variant)
+        if reason:
+            notes.append(f"scaled variant x{factor:g} of input set {rec['index']} not tested: {reason}")
+    lap("scaled")
 
     out = workdir / "child"  # the only directory a child may write; the parent moves these out
     torch.save(input_lists, out / "inputs.pt")
@@ -562,9 +722,11 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             raise StageError(
                 "state", f"calling the candidate on {label} changed global state: " + "; ".join(changes)
             )
-        for i, (old, new) in enumerate(zip(snapshot, inputs, strict=True)):
-            if isinstance(old, torch.Tensor) and not _bitwise_equal(old, new):
-                raise StageError("inputs_mutated", f"the candidate modified input {i} in place on {label}")
+        changed = inputs_unchanged(snapshot, inputs)
+        if changed is not None:
+            raise StageError(
+                "inputs_mutated", f"the candidate modified input {path_label(changed)} in place on {label}"
+            )
         if shares_storage(out, inputs) and not payload["reference_aliases"]:
             raise StageError("aliasing", f"an output of the candidate aliases an input on {label}")
         return out
@@ -615,9 +777,7 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 call(clone_tensors(dev_sets[a]), "cache sequence A at a new address"),
             )
             at_a = dev_sets[a]
-            for dst, src in zip(at_a, dev_sets[b], strict=True):
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
+            copy_into(at_a, dev_sets[b])
             keep(f"seq:B_at_A_address:{b}", call(at_a, "cache sequence B's data at A's address"))
             checks.append(
                 {
@@ -646,7 +806,7 @@ def memcheck_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     task = load_task(payload["task_source"], path=payload["task_path"])
     state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
     input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
-    sizes = [sum(x.numel() for x in s if isinstance(x, torch.Tensor)) for s in input_lists]
+    sizes = [sum(t.numel() for _, t in iter_tensors(s)) for s in input_lists]
     index = sizes.index(min(sizes))
     model, _ref, _build = load_candidate_model(
         task, payload["candidate_source"], payload["candidate_path"], seed, state, device
@@ -655,19 +815,6 @@ def memcheck_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         model(*to_device(input_lists[index], device))
     synchronize(device)
     return {"set": index}
-
-
-def _bitwise_equal(a: Any, b: Any) -> bool:
-    import torch
-
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return a == b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        both_nan = torch.isnan(a) & torch.isnan(b)
-        return bool(((a == b) | both_nan).all())
-    return bool(torch.equal(a, b))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from kernelcrew.task import (
     parse,
     read_source,
 )
+from kernelcrew.task import test_input_sets as extra_input_sets
 from kernelcrew.tools.anticheat import static_check
 from tests.conftest import FIXTURES
 
@@ -144,3 +145,40 @@ def test_no_parse_in_the_package_bypasses_the_lock():
         if "ast.parse(" in line and not (p.name == "task.py" and "return ast.parse(" in line)
     ]
     assert raw == []
+
+
+NESTED_TASK = """
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, xs, opts):
+        return xs[0] * opts["scale"] + xs[1][0]
+
+def get_inputs():
+    return [[torch.randn(2, 3), (torch.randn(2, 3), 1)], {"scale": torch.tensor(2.0), "name": None}]
+
+def get_init_inputs():
+    return []
+
+def get_test_inputs():
+    return [[[torch.randn(1, 4), (torch.randn(1, 4), 1)], {"scale": 1.5, "mode": "x"}]]
+"""
+
+
+def test_nested_inputs_of_tensors_numbers_and_strings_are_accepted():
+    task = load_task(NESTED_TASK, path="nested.py")
+    inputs = call_inputs(task.get_inputs, "get_inputs", task.name)
+    assert isinstance(inputs[0][1], tuple) and inputs[1]["name"] is None
+    assert extra_input_sets(task)[0][1] == {"scale": 1.5, "mode": "x"}
+
+
+def test_a_test_input_that_cannot_be_saved_is_named_by_its_path():
+    source = NESTED_TASK.replace('"mode": "x"', '"mode": object()')
+    task = load_task(source, path="nested.py")
+    with pytest.raises(TaskError, match=r"get_test_inputs\(\)\[0\]\[1\]\['mode'\] is a object"):
+        extra_input_sets(task)
+
+
+def test_init_inputs_may_be_anything():
+    assert call_inputs(lambda: [object(), slice(1)], "get_init_inputs", "t.py")[1] == slice(1)

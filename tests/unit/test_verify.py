@@ -7,8 +7,21 @@ import torch
 
 from kernelcrew.config import Settings
 from kernelcrew.task import TaskError, load_task
-from kernelcrew.tools.correctness import make_golden, verify
-from kernelcrew.tools.harness import SIGNED_SETS, _input_sets
+from kernelcrew.tools.correctness import compare_output, make_golden, tolerance_for, verify
+from kernelcrew.tools.harness import (
+    SCALE_FACTORS,
+    SIGNED_SETS,
+    _bitwise_equal,
+    _input_sets,
+    _scaled_variant,
+    _signed_variant,
+    clone_tensors,
+    copy_into,
+    describe_inputs,
+    inputs_unchanged,
+    shares_storage,
+    zero_inputs,
+)
 from tests.conftest import FIXTURES, fixture_meta
 
 CANDIDATES = sorted((FIXTURES / "candidates").glob("*.py"))
@@ -171,3 +184,216 @@ def test_golden_is_private_to_the_parent(goldens):
     if res.isolation["user"] == "root":
         pytest.skip("no privilege drop here: the static rules are the only barrier (docs/security.md)")
     assert res.status == "error" and res.error_type == "PermissionError"
+
+
+def test_naive_softmax_fails_on_a_scaled_set_named_in_the_message(goldens):
+    verdict = verify(
+        goldens["softmax"].task_source,
+        (FIXTURES / "candidates" / "softmax_no_max.py").read_text(),
+        golden=goldens["softmax"],
+    )
+    assert not verdict.passed
+    failure = verdict.failures[0]
+    assert failure["input_set"]["origin"] == "scaled"
+    assert failure["input_set"]["factor"] > 1
+    assert "scaled x" in failure["message"] and "scaled x" in verdict.message
+
+
+def test_scaled_variants_are_recorded_with_their_factor_and_flagged(goldens):
+    verdict = verify(
+        goldens["softmax"].task_source,
+        (FIXTURES / "candidates" / "softmax_triton.py").read_text(),
+        golden=goldens["softmax"],
+    )
+    assert verdict.passed, verdict.message
+    scaled = [s for s in verdict.input_sets if s["origin"] == "scaled"]
+    seeds = {s["index"] for s in verdict.input_sets if s["origin"] == "seed"}
+    assert {s["factor"] for s in scaled} == set(SCALE_FACTORS)
+    assert all(s["of"] in seeds for s in scaled)
+    assert any(f.startswith("scaled variants tested") for f in verdict.flags)
+
+
+def test_a_scaled_variant_whose_golden_is_not_finite_is_skipped_with_a_note(goldens):
+    meta = goldens["exp_overflow"].meta
+    factors = {s["factor"] for s in meta["sets"] if s["origin"] == "scaled"}
+    assert max(SCALE_FACTORS) not in factors  # exp(100 * 100) is beyond float64
+    assert min(SCALE_FACTORS) in factors
+    assert any("not tested" in n and f"x{max(SCALE_FACTORS):g}" in n for n in meta["notes"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The pass rule on non-finite and out-of-range elements
+# ----------------------------------------------------------------------------------------------
+
+STRICT = tolerance_for("float32", "pointwise", "strict")
+
+
+def test_elements_where_float32_overflows_are_judged():
+    g = torch.tensor([1.0, -2.0, 3.0, 1e40, -1e40, 0.5], dtype=torch.float64)
+    n = g.float()  # inf and -inf where the golden is beyond float32's range
+    assert compare_output(n.clone(), g, n, STRICT)["ok"]
+    garbage = n.clone()
+    garbage[3] = 0.0
+    res = compare_output(garbage, g, n, STRICT)
+    assert res["stage"] == "correctness" and res["first_bad_index"] == [3]
+    assert "range" in res["message"]
+    wrong_sign = n.clone()
+    wrong_sign[4] = float("inf")
+    assert compare_output(wrong_sign, g, n, STRICT)["first_bad_index"] == [4]
+    assert compare_output(wrong_sign, g, n, STRICT)["stage"] == "nan"
+    nan_there = n.clone()
+    nan_there[3] = float("nan")
+    assert compare_output(nan_there, g, n, STRICT)["stage"] == "nan"
+    # Just beyond the range, the largest float32 is within tolerance of the golden: it passes too.
+    edge = torch.tensor([1.0, torch.finfo(torch.float32).max * (1 + 2**-24)], dtype=torch.float64)
+    near = torch.tensor([1.0, torch.finfo(torch.float32).max])
+    assert compare_output(near, edge, edge.float(), STRICT)["ok"]
+
+
+def test_pytorch_overflowing_is_no_licence_where_the_golden_is_representable():
+    g = torch.tensor([1.0, 2.0, 3e38, 4.0], dtype=torch.float64)
+    n = g.float()
+    n[2] = float("inf")  # PyTorch's own intermediate overflow
+    copy = n.clone()
+    res = compare_output(copy, g, n, STRICT)
+    assert res["stage"] == "nan" and res["first_bad_index"] == [2]
+    assert compare_output(g.float(), g, n, STRICT)["ok"]
+
+
+def test_nan_only_where_the_golden_is_nan():
+    g = torch.randn(8, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    g[0, 0] = float("nan")
+    n = g.float()
+    n[1, 1] = float("nan")  # PyTorch's own NaN where the golden is finite
+    assert compare_output(g.float(), g, n, STRICT)["ok"]
+    assert compare_output(n.clone(), g, n, STRICT)["first_bad_index"] == [1, 1]
+    finite = g.float()
+    finite[0, 0] = 0.0
+    res = compare_output(finite, g, n, STRICT)
+    assert res["stage"] == "nan" and res["first_bad_index"] == [0, 0]
+
+
+def test_elements_beyond_the_range_do_not_loosen_atol(monkeypatch):
+    from kernelcrew.tools import correctness
+
+    monkeypatch.setattr(correctness, "JUDGE_CHUNK", 16)
+    g = torch.randn(100, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    g[3] = 1e39
+    n = g.float()
+    cand = n.clone()
+    cand[70] += 0.5
+    res = compare_output(cand, g, n, STRICT)
+    assert res["stage"] == "correctness" and res["first_bad_index"] == [70]
+    assert res["atol"] < 1e-3
+    cand = n.clone()
+    cand[90] = 7.0
+    cand[3] = 1.0
+    res = compare_output(cand, g, n, STRICT)
+    assert res["first_bad_index"] == [3] and res["message"].startswith("2 of 100")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs nested in lists, tuples and dicts
+# ----------------------------------------------------------------------------------------------
+
+
+def _nested():
+    gen = torch.Generator().manual_seed(8)
+    return [
+        torch.randn(3, generator=gen),
+        [torch.randn(2, 3, generator=gen), (torch.rand(4, generator=gen), 2)],
+        {"w": torch.zeros(5), "k": 3},
+    ]
+
+
+def test_nested_inputs_are_described_and_zero_tensors_found():
+    inputs = _nested()
+    assert describe_inputs(inputs) == [
+        "(3,):float32",
+        "[(2, 3):float32, ((4,):float32, int)]",
+        "{'w': (5,):float32, 'k': int}",
+    ]
+    assert zero_inputs(inputs) == ["2['w']"]
+
+
+def test_inputs_unchanged_names_the_path_of_a_changed_nested_tensor():
+    inputs = _nested()
+    snapshot = clone_tensors(inputs)
+    assert inputs_unchanged(snapshot, inputs) is None
+    inputs[1][1][0][2] += 1.0
+    assert inputs_unchanged(snapshot, inputs) == (1, 1, 0)
+    inputs = _nested()
+    inputs[1].append(torch.ones(1))
+    assert inputs_unchanged(snapshot, inputs) == (1,)
+    inputs = _nested()
+    del inputs[2]["k"]
+    assert inputs_unchanged(snapshot, inputs) == (2,)
+    inputs = _nested()
+    inputs[1][1] = (inputs[1][1][0], 5)
+    assert inputs_unchanged(snapshot, inputs) == (1, 1, 1)
+
+
+def test_aliasing_bitwise_equality_and_copies_reach_nested_tensors():
+    inputs = _nested()
+    inner = inputs[1][1][0]
+    assert shares_storage((torch.ones(1), [inner.view(2, 2)]), inputs)
+    assert shares_storage({"a": inputs[2]["w"][1:]}, inputs)
+    assert not shares_storage([t.clone() for t in (inputs[0], inner)], inputs)
+    assert _bitwise_equal(inputs, clone_tensors(inputs))
+    other = _nested()
+    other[1][0][0, 0] = 42.0
+    assert not _bitwise_equal(inputs, other)
+    assert not _bitwise_equal(inputs, inputs[:2])
+    address = inputs[1][0].data_ptr()
+    copy_into(inputs, other)
+    assert inputs[1][0].data_ptr() == address and _bitwise_equal(inputs, other)
+
+
+def test_signed_and_scaled_variants_reach_nested_tensors():
+    inputs = _nested()
+    signed = _signed_variant(inputs, 5)
+    assert signed is not None and bool((signed[1][1][0] < 0).any())
+    assert torch.equal(signed[1][1][0].abs(), inputs[1][1][0])
+    assert torch.equal(signed[0], inputs[0]) and signed[2]["k"] == 3
+    scaled = _scaled_variant(inputs, 100.0)
+    assert torch.equal(scaled[1][0], inputs[1][0] * 100.0)
+    assert torch.equal(scaled[2]["w"], inputs[2]["w"]) and scaled[1][1][1] == 2
+    assert _scaled_variant([torch.arange(3), 1.5], 100.0) is None
+
+
+EXPM1_NAIVE = """
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.exp(x) - 1
+
+def get_inputs():
+    return [torch.randn(16, 32)]
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_scale_where_pytorch_itself_loses_accuracy_is_not_tested():
+    """exp(x) - 1 cancels in float32 once x is small: PyTorch's own output would use most of the
+    tolerance there, so the x1e-3 set would judge rounding, not the candidate."""
+    with make_golden(
+        EXPM1_NAIVE, seed=3, task_path="expm1.py", settings=Settings(sandbox_timeout_s=120)
+    ) as g:
+        factors = {s["factor"] for s in g.meta["sets"] if s["origin"] == "scaled"}
+        notes = g.meta["notes"]
+    assert 1e-3 not in factors
+    assert any("x0.001" in n and "PyTorch's own output" in n for n in notes), notes
+
+
+def test_a_norm_without_eps_fails_only_on_the_small_scaled_set(goldens):
+    verdict = verify(
+        goldens["layernorm"].task_source,
+        (FIXTURES / "candidates" / "layernorm_no_eps.py").read_text(),
+        golden=goldens["layernorm"],
+    )
+    origins = {(f["input_set"]["origin"], f["input_set"].get("factor")) for f in verdict.failures}
+    assert origins == {("scaled", min(SCALE_FACTORS))}, verdict.failures
