@@ -12,9 +12,8 @@ Four layers, each reported as structured findings:
   interpreter hooks (trace, profile, signals, atexit, imports), global module hooks and the
   identity of every Tensor, Module, torch and builtins attribute, before and after each call.
 * :func:`output_problems` checks that a forward returned plain tensors and numbers, no subclass or wrapper.
-* :class:`OpRecorder` traces the aten ops a call runs; :func:`classify_kind` turns the trace into
-  the candidate's ``kind``: ``kernel`` (its own Triton/CUDA kernels do the work), ``library``
-  (PyTorch ops do it, the very op it replaces included) or ``compiler`` (``torch.compile``).
+* :class:`OpRecorder` traces the aten ops a call runs (the reference's op class for the pass rule);
+  a candidate's ``kind`` comes from a profile of its calls (:mod:`kernelcrew.tools.kinds`).
 
 Compiled CUDA/C++ code is opaque to the static layer; the dynamic layers still apply to it.
 """
@@ -1459,46 +1458,3 @@ def record_ops(fn: Any, *args: Any) -> tuple[Any, dict[str, int]]:
     with recorder:
         out = fn(*args)
     return out, dict(recorder.ops)
-
-
-def compute_ops(ops: dict[str, int]) -> set[str]:
-    """The ops of a trace that compute something (allocation, views and copies left out).
-
-    In-place variants count as their op (``relu_`` is ``relu``).
-    """
-    names = set()
-    for name in ops:
-        base = name[:-1] if name.endswith("_") and len(name) > 1 else name
-        if name not in TRIVIAL_OPS and base not in TRIVIAL_OPS:
-            names.add(base)
-    return names
-
-
-def classify_kind(
-    candidate_ops: dict[str, int],
-    reference_ops: dict[str, int],
-    source_kind: dict[str, bool],
-    launches: int,
-) -> tuple[str, dict[str, Any]]:
-    """``kernel``, ``library`` or ``compiler``, with the evidence that decided it.
-
-    ``compiler`` when the candidate calls ``torch.compile``/dynamo; ``library`` when PyTorch ops do
-    the work (any op the reference itself runs, or compute ops and no kernel of its own);
-    ``kernel`` when its own Triton/CUDA kernels do the work and PyTorch ops at most move memory.
-    """
-    cand = compute_ops(candidate_ops)
-    ref = compute_ops(reference_ops)
-    shared = sorted(cand & ref)
-    own_kernels = launches > 0 or source_kind.get("cuda", False) or source_kind.get("cpp", False)
-    evidence = {
-        "candidate_compute_ops": sorted(cand),
-        "reference_compute_ops": sorted(ref),
-        "ops_shared_with_reference": shared,
-        "own_kernel_launches": launches,
-        "source": source_kind,
-    }
-    if source_kind.get("compiler"):
-        return "compiler", evidence
-    if shared or not own_kernels:
-        return "library", evidence
-    return "kernel", evidence

@@ -40,7 +40,7 @@ from kernelcrew.config import Settings, get_settings
 from kernelcrew.records import Verdict
 from kernelcrew.task import TaskError, check_source
 from kernelcrew.tools import sandbox
-from kernelcrew.tools.anticheat import classify_kind, static_check
+from kernelcrew.tools.anticheat import static_check
 from kernelcrew.tools.packaging import unpack
 
 MATMUL_OPS = frozenset(
@@ -615,9 +615,7 @@ def verify(
             return verdict
         value = res.value or {}
         verdict.checks.extend(value["checks"])
-        verdict.kind, verdict.kind_evidence = classify_kind(
-            value["candidate_ops"], meta["reference_ops"], value["build"].get("kind", {}), value["launches"]
-        )
+        verdict.kind, verdict.kind_evidence = value["kind"], value["kind_evidence"]
         _judge(verdict, meta, cand_dir / "child" / "outputs.pt", golden.path, value["nondeterministic"])
         if verdict.passed and s.compute_sanitizer and device.startswith("cuda"):
             _memcheck(verdict, cand_payload, cand_dir, env, s)

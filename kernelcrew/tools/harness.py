@@ -44,6 +44,9 @@ INIT_SEED_OFFSET = 0
 #: The timing process compares the global state with its start every this many calls (a snapshot
 #: costs about a millisecond; the outputs are checked on every call).
 STATE_CHECK_EVERY = 8
+#: Calls the verify child profiles on a GPU to decide the candidate's kind (the timing process
+#: profiles its own, on fresh data, and its kind is the one reported with a speedup).
+KIND_CALLS_VERIFY = 5
 
 
 class Laps:
@@ -555,37 +558,6 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-class _LaunchCounter:
-    """Counts Triton kernel launches (compiled or interpreted) while installed."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def install(self) -> None:
-        try:
-            from triton.runtime import jit
-        except ImportError:
-            return
-        classes = [jit.JITFunction]
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            classes.append(InterpretedFunction)
-        except ImportError:
-            pass
-        for cls in classes:
-            cls.run = self._counting(cls.run)
-
-    def _counting(self, original: Any) -> Any:
-        counter = self
-
-        def run(fn_self, *args, **kwargs):
-            counter.count += 1
-            return original(fn_self, *args, **kwargs)
-
-        return run
-
-
 def _stage_error_from(exc: BaseException, stage: str, where: str, source: str, path: str) -> StageError:
     from kernelcrew.tools.build import describe_exception
 
@@ -686,7 +658,8 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Build the candidate and run it on every input set, plus the repeat and caching sequences."""
     import torch
 
-    from kernelcrew.tools.anticheat import record_ops, snapshot_state, state_changes
+    from kernelcrew.tools import kinds
+    from kernelcrew.tools.anticheat import output_problems, snapshot_state, state_changes
 
     device, seed, policy = payload["device"], int(payload["seed"]), payload["precision"]
     source, path = payload["candidate_source"], payload["candidate_path"]
@@ -696,24 +669,16 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
     sets = payload["sets"]
 
-    launches = _LaunchCounter()
-    launches.install()
     model, _reference, build = load_candidate_model(task, source, path, seed, state, device)
     checks: list[dict[str, Any]] = [{"name": "build", "passed": True, "detail": build}]
     outputs: dict[str, list[Any]] = {}
-    candidate_ops: dict[str, int] = {}
 
     def call(inputs: list[Any], label: str) -> Any:
-        nonlocal candidate_ops
         before = snapshot_state((path,))
         snapshot = clone_tensors(inputs)
         try:
             with torch.no_grad():
-                if not candidate_ops:
-                    out, candidate_ops = record_ops(model, *inputs)
-                    candidate_ops = candidate_ops or {"<none>": 0}
-                else:
-                    out = model(*inputs)
+                out = model(*inputs)
             synchronize(device)
         except BaseException as exc:
             raise _stage_error_from(exc, "runtime", f"forward on {label} raised", source, path) from exc
@@ -729,6 +694,9 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             )
         if shares_storage(out, inputs) and not payload["reference_aliases"]:
             raise StageError("aliasing", f"an output of the candidate aliases an input on {label}")
+        problems = output_problems(out)
+        if problems:
+            raise StageError("output_type", f"the candidate's output on {label}: " + "; ".join(problems[:3]))
         return out
 
     def keep(key: str, out: Any) -> None:
@@ -787,12 +755,18 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 }
             )
 
+    # Whose kernels did the work: a profile of calls on the seed sets, outside the poisoned memory.
+    profiled = [dev_sets[r["index"]] for r in sets if r["origin"] == "seed"] or dev_sets[:1]
+    reps = KIND_CALLS_VERIFY if device.startswith("cuda") else 1
+    kind, kind_evidence = kinds.profile_kind(
+        lambda inputs: model(*inputs), profiled, device=device, own=kinds.own_names(source), reps=reps
+    )
     torch.save(outputs, workdir / "child" / "outputs.pt")
     return {
         "checks": checks,
         "build": build,
-        "candidate_ops": candidate_ops,
-        "launches": launches.count,
+        "kind": kind,
+        "kind_evidence": kind_evidence,
         "nondeterministic": declared,
     }
 

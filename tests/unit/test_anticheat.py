@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kernelcrew.tools.anticheat import (
-    classify_kind,
     output_problems,
     record_ops,
     snapshot_state,
@@ -546,16 +545,10 @@ def test_importing_dynamo_late_is_no_state_change_but_a_wrapper_of_ones_own_is()
     assert res.returncode == 0, res.stderr[-2000:]
 
 
-def test_op_trace_and_kind():
+def test_op_trace():
     x = torch.randn(4, 8)
     _, ref_ops = record_ops(torch.softmax, x, -1)
-    _, lib_ops = record_ops(lambda t: torch.softmax(t * 1.0, -1), x)
-    kind, evidence = classify_kind(lib_ops, ref_ops, {"triton": False}, launches=0)
-    assert kind == "library" and "_softmax" in evidence["ops_shared_with_reference"]
-    _, alloc_ops = record_ops(lambda t: torch.empty_like(t), x)
-    assert classify_kind(alloc_ops, ref_ops, {"triton": True}, launches=1)[0] == "kernel"
-    assert classify_kind(alloc_ops, ref_ops, {"triton": True}, launches=0)[0] == "library"
-    assert classify_kind(alloc_ops, ref_ops, {"compiler": True}, launches=3)[0] == "compiler"
+    assert "_softmax" in ref_ops
 
 
 def test_op_class():
