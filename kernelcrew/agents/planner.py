@@ -182,8 +182,9 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             }
     else:
         step = _plan_with_playbook(state, prefs)
-        if step is not None and not _fits_budget(state, step):  # nothing left that fits
-            return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
+    if step is not None and state.steps_used and not _fits_budget(state, step):
+        # nothing left that fits; the first step always starts, however heavy the task
+        return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
     if step is None:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}
     ctx.emit("plan", strategy=step.strategy, params=step.params, rationale=step.rationale, source=step.source)
@@ -221,10 +222,16 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
     return next((s for s in menu if _fits_budget(state, s)), menu[0] if menu else None)
 
 
+def baseline_seconds(state: CrewState) -> float:
+    """The baseline's wall time: as profile_baseline measured it, else the sum of its phases."""
+    measured = state.budget.get("baseline_s")
+    return float(measured) if measured is not None else sum(state.baseline.phase_s.values())
+
+
 def step_seconds(state: CrewState) -> list[float]:
     """How long each finished step of the run took: from one decide to the next, the first from
-    the end of the baseline's phases (earlier work, such as the analysis, counts into it)."""
-    start = sum(state.baseline.phase_s.values())
+    the end of the baseline (earlier work, such as the analysis, counts into it)."""
+    start = baseline_seconds(state)
     out = []
     for record in state.iterations:
         mark = record.get("elapsed_s")
@@ -234,12 +241,70 @@ def step_seconds(state: CrewState) -> list[float]:
     return out
 
 
-def expected_seconds(state: CrewState, step: PlanStep) -> float:
-    """The longest step of the run so far, times the strategy's cost (0 before any step ended)."""
+#: A step verifies its candidate (children that run it on every input set) and times it against
+#: eager (a timing run like the baseline's, without the compile modes): before any step ended, it
+#: is expected to take this many times the baseline's timing run. An estimate, not a measurement.
+STEP_FROM_BASELINE = 2.0
+#: A torch.compile candidate compiles in the verifier (once per input shape) and again in the
+#: timing child: this many compiles per step, each as long as the baseline's compile of its mode.
+COMPILES_PER_STEP = 3
+#: A compile's expected seconds when the baseline compiled nothing (``--compile-modes none``, the
+#: CPU's default). An assumption, not a measurement.
+UNMEASURED_COMPILE_S = 10.0
+#: How much longer max-autotune-no-cudagraphs compiles than mode="default" (it compiles and times
+#: several templates per matmul or convolution). An estimate, not a measurement.
+AUTOTUNE_COMPILE_FACTOR = 4.0
+#: How far past its time budget the never-empty-handed fallback may end a run: the run's tolerance.
+GRACE = 0.2
+
+
+def compiler_strategies() -> dict[str, str]:
+    """The playbook's compiler strategies by the torch.compile mode they generate."""
+    from kernelcrew.agents import playbook
+
+    return {
+        dict(s.options).get("mode", "default"): s.name
+        for s in playbook.STRATEGIES.values()
+        if s.source_kind == "compiler"
+    }
+
+
+def reference_timing_s(state: CrewState) -> float:
+    """Seconds of the baseline's timing run, less its torch.compile compiles."""
+    base = state.baseline
+    return max(0.0, base.phase_s.get("benchmark", 0.0) - sum(base.compile_s.values()))
+
+
+def expected_compile_s(compile_s: dict[str, float], mode: str) -> float:
+    """The expected compile time of ``mode`` from the compile times measured so far (by mode): its
+    own, else estimated from mode="default"'s (0 when nothing was compiled: unknown)."""
+    if mode in compile_s:
+        return compile_s[mode]
+    default = compile_s.get("default", 0.0)
+    return default * AUTOTUNE_COMPILE_FACTOR if mode.startswith("max-autotune") else default
+
+
+def modelled_seconds(state: CrewState, step: PlanStep) -> float:
+    """A step's time from the baseline's measurements alone (what the first step goes by)."""
     from kernelcrew.agents import playbook
 
     strategy = playbook.STRATEGIES.get(step.strategy)
-    return max(step_seconds(state), default=0.0) * (strategy.cost if strategy else 1.0)
+    seconds = STEP_FROM_BASELINE * reference_timing_s(state)
+    if strategy is not None and strategy.source_kind == "compiler":
+        mode = dict(strategy.options).get("mode", "default")
+        compile_s = expected_compile_s(state.baseline.compile_s, mode) or UNMEASURED_COMPILE_S
+        seconds += COMPILES_PER_STEP * compile_s
+    return seconds
+
+
+def expected_seconds(state: CrewState, step: PlanStep) -> float:
+    """The longest step of the run so far times the strategy's cost, or the modelled time of the
+    step when that is longer (the only estimate before any step ended)."""
+    from kernelcrew.agents import playbook
+
+    strategy = playbook.STRATEGIES.get(step.strategy)
+    longest = max(step_seconds(state), default=0.0) * (strategy.cost if strategy else 1.0)
+    return max(longest, modelled_seconds(state, step))
 
 
 #: The final report times the best against eager and torch.compile again, as the baseline's
@@ -248,16 +313,71 @@ def expected_seconds(state: CrewState, step: PlanStep) -> float:
 FINALIZE_COST = 1.7
 
 
+def final_reserve_s(state: CrewState) -> float:
+    """Seconds kept for the final timing of the best."""
+    return FINALIZE_COST * state.baseline.phase_s.get("benchmark", 0.0)
+
+
+def fallback_mode(state: CrewState) -> str | None:
+    """The fastest torch.compile mode the baseline measured faster than eager (beyond noise) that
+    the playbook's compiler strategies generate, or None."""
+    from kernelcrew.agents.decide import NOISE
+
+    eager = state.baseline.eager_ms
+    modes = compiler_strategies()
+    faster = {
+        mode: ms
+        for mode, ms in state.baseline.compile_ms.items()
+        if mode in modes and eager and ms < eager * (1 - NOISE)
+    }
+    return min(faster, key=lambda mode: faster[mode]) if faster else None
+
+
+def fallback_step(state: CrewState) -> PlanStep | None:
+    """The compiler candidate a run without a verified answer ends with: the baseline measured it
+    (torch.compile) faster than eager. None when there is a best, when nothing measured beat eager,
+    or when a step already judged that candidate: failed, or timed not faster than eager."""
+    if state.best is not None:
+        return None
+    mode = fallback_mode(state)
+    if mode is None:
+        return None
+    name = compiler_strategies()[mode]
+    for record in state.iterations:
+        if record.get("strategy") != name or record.get("verdict") not in ("pass", "fail"):
+            continue
+        if record["verdict"] == "fail" or not (record.get("speedup_eager") or 0) > 1:
+            return None
+    eager, compiled = state.baseline.eager_ms or 0.0, state.baseline.compile_ms[mode]
+    return PlanStep(
+        strategy=name,
+        rationale=f"torch.compile ({mode}) ran {eager / compiled:.2f}x faster than eager in the baseline "
+        "and no faster answer was verified: its candidate is verified and returned",
+        expected_gain=min(max(eager / compiled, 1.001), 1000),
+        source="playbook",
+    )
+
+
+def fallback_seconds(state: CrewState) -> float:
+    """Seconds kept for the fallback: a compiler step, when the run would need one now and no step
+    has verified it yet (a verified one is not verified again)."""
+    step = fallback_step(state)
+    if step is None or any(r.get("strategy") == step.strategy for r in state.iterations):
+        return 0.0
+    return modelled_seconds(state, step)
+
+
 def _seconds_left(state: CrewState) -> float:
-    """The time budget left for steps: what the run has not used, less the final report's share."""
-    reserve = FINALIZE_COST * state.baseline.phase_s.get("benchmark", 0.0)
-    return state.options.time_budget_s - (time.time() - state.started_at) - reserve
+    """The time budget left for steps: what the run has not used, less the final report's share and
+    the fallback's."""
+    used = time.time() - state.started_at
+    return state.options.time_budget_s - used - final_reserve_s(state) - fallback_seconds(state)
 
 
 def _fits_budget(state: CrewState, step: PlanStep) -> bool:
-    """Whether the step and the final report should end inside the time budget. On a GPU only:
-    CPU steps are checks, and their time says nothing about a GPU's."""
-    if state.options.device == "cpu" or not state.started_at:
+    """Whether the step, the final report (and a fallback the run may need) should end inside the
+    time budget: wall-clock seconds, on a CPU as on a GPU."""
+    if not state.started_at:
         return True
     return expected_seconds(state, step) <= _seconds_left(state)
 

@@ -26,47 +26,81 @@ from kernelcrew.tools.roofline import is_suspect, sol_fraction, sol_fractions
 
 
 def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
-    """Time eager and torch.compile, rank the reference's kernels, analyse its graph, diagnose."""
+    """Time eager and torch.compile, rank the reference's kernels, analyse its graph, diagnose.
+
+    The baseline plans to use at most ``options.baseline_share`` of the time budget: the golden,
+    eager, the required torch.compile modes and the hotspots always run; an optional compile mode
+    and Nsight Compute of the reference run only when their expected time fits what is left of that
+    share, and ``budget["baseline_skipped"]`` says why each was left out.
+    """
+    from kernelcrew.agents.planner import expected_compile_s  # the planner imports this module
+
     ctx = runtime.context
     opts = state.options
     started = state.started_at or time.time()
+    clock = time.monotonic()
+    share_s = opts.time_budget_s * opts.baseline_share
     ctx.emit("node", node="profile_baseline", message="timing the reference and ranking its kernels")
     on_gpu = opts.device.startswith("cuda")
+    skipped: dict[str, str] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="analysis") as pool:
         # The graph analysis is a CPU child: it runs while the GPU children time and profile.
         analysing = pool.submit(_analyze, state, ctx) if ctx.analyze is not None else None
         # One child times eager and torch.compile, then ranks the reference's kernels (hotspots).
-        bench = ctx.executor.benchmark(
-            ctx.request(
-                BenchmarkRequest,
-                state,
-                candidates={},
-                compile_modes=list(opts.compile_modes),
-                quick=opts.quick,
-                hotspots=True,
-            )
-        )
-        if bench.failure is not None:
-            raise TaskError(f"timing the reference failed: {bench.failure.message}", path=state.task_path)
+        bench = _time_reference(state, ctx, list(opts.compile_modes), hotspots=True)
+        phase_s = _add_phases({}, bench.phase_s or {})
+        results, compile_s = dict(bench.results), dict(bench.compile_s)
+        compile_errors = dict(bench.compile_errors)
+        for mode in opts.optional_compile_modes:
+            expected = expected_compile_s(compile_s, mode) + _timing_run_s(bench)
+            used = time.monotonic() - clock
+            if compile_errors:
+                skipped[f"compile:{mode}"] = "not timed: torch.compile already failed in the baseline"
+            elif used + expected > share_s:
+                skipped[f"compile:{mode}"] = (
+                    f"not timed: its compile and timing run would take about {expected:.0f} s, and "
+                    f"{max(share_s - used, 0):.0f} s of the baseline's {share_s:.0f} s remain "
+                    f"({opts.baseline_share:.0%} of the {opts.time_budget_s:g} s budget)"
+                )
+            else:
+                extra = _time_reference(state, ctx, [mode], hotspots=False)
+                phase_s = _add_phases(phase_s, {f"compile:{mode}": sum((extra.phase_s or {}).values())})
+                results.update({k: v for k, v in extra.results.items() if k.startswith("compile:")})
+                compile_s.update(extra.compile_s)
+                compile_errors.update(extra.compile_errors)
         ranked = bench.profile
         work = ranked.work if ranked is not None else None
-        hot = ctx.executor.profile(ctx.request(ProfileRequest, state, ncu=on_gpu, hotspots=False, work=work))
-        clock = time.monotonic()
+        ncu = on_gpu
+        if on_gpu:
+            expected = NCU_COST * _timing_run_s(bench)
+            used = time.monotonic() - clock
+            if used + expected > share_s:
+                ncu = False
+                skipped["ncu"] = (
+                    f"Nsight Compute of the reference not run: it would take about {expected:.0f} s, "
+                    f"and {max(share_s - used, 0):.0f} s of the baseline's {share_s:.0f} s remain"
+                )
+        hot = ctx.executor.profile(ctx.request(ProfileRequest, state, ncu=ncu, hotspots=False, work=work))
+        phase_s = _add_phases(phase_s, {k: v for k, v in hot.phase_s.items() if v})
+        waited = time.monotonic()
         analysis, analysis_error = analysing.result() if analysing is not None else ({}, "")
     # Where the baseline's wall time went: the executor's account, then the wait for the analysis.
-    phase_s = {**(bench.phase_s or {}), **{k: v for k, v in hot.phase_s.items() if v}}
-    phase_s["analysis_wait"] = round(time.monotonic() - clock, 2)
+    phase_s["analysis_wait"] = round(time.monotonic() - waited, 2)
     if analysis_error:
         ctx.emit("error", node="profile_baseline", message=f"graph analysis failed: {analysis_error}")
     eager = bench.results.get("eager")
-    compiled = bench.compile_medians()
+    compiled = {k.split(":", 1)[1]: v.median_ms for k, v in results.items() if k.startswith("compile:")}
+    if not on_gpu:
+        ncu_record = {"available": False, "reason": "not asked for (CPU run)"}
+    else:
+        ncu_record = hot.ncu or {"available": False, "reason": skipped.get("ncu", "not run")}
     baseline = Baseline(
         clock=bench.clock,
         eager_ms=eager.median_ms if eager else None,
         eager_spread_pct=eager.spread_pct if eager else None,
         compile_ms=compiled,
-        compile_s=bench.compile_s,
-        compile_errors=bench.compile_errors,
+        compile_s=compile_s,
+        compile_errors=compile_errors,
         hardware=bench.hardware,
         versions=bench.versions,
         arch=bench.hardware.get("arch", opts.device),
@@ -76,7 +110,7 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         work=hot.work,
         peaks=hot.peaks,
         floor=hot.floor,
-        ncu=hot.ncu or {"available": False, "reason": "not asked for (CPU run)"},
+        ncu=ncu_record,
         analysis=analysis,
         phase_s=phase_s,
         golden_phase_s=bench.golden_phase_s,  # the golden child's own phases, when it ran
@@ -84,7 +118,19 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         timing_run={"rounds": bench.rounds, "stop_reason": bench.stop_reason, "elapsed_s": bench.elapsed_s},
     )
     baseline.sol_fraction = sol_fractions(baseline.floor_ms, baseline.eager_ms, compiled)
-    update: dict[str, Any] = {"baseline": baseline, "diagnosis": diagnose(baseline), "started_at": started}
+    budget = {
+        **state.budget,
+        "baseline_share": opts.baseline_share,
+        "baseline_budget_s": round(share_s, 1),
+        "baseline_s": round(time.time() - started, 1),
+        "baseline_skipped": skipped,
+    }
+    update: dict[str, Any] = {
+        "baseline": baseline,
+        "diagnosis": diagnose(baseline),
+        "started_at": started,
+        "budget": budget,
+    }
     if state.start_source:
         update.update(_verify_start(state, ctx, baseline))
     ctx.emit(
@@ -95,8 +141,46 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         hotspots=[h.model_dump(mode="json") for h in baseline.hotspots[:3]],
         floor_ms=baseline.floor_ms,
         ncu=baseline.ncu.get("available"),
+        skipped=skipped,
     )
     return update
+
+
+#: Nsight Compute of the reference replays each of its kernels once per metric pass, in a child of
+#: its own: expected to take this many times the baseline's timing run. An estimate.
+NCU_COST = 3.0
+
+
+def _time_reference(
+    state: CrewState, ctx: CrewContext, modes: list[str], *, hotspots: bool
+) -> BenchmarkResult:
+    """One timing run of eager and ``modes`` (no candidates); a failure is the task's error."""
+    bench = ctx.executor.benchmark(
+        ctx.request(
+            BenchmarkRequest,
+            state,
+            candidates={},
+            compile_modes=modes,
+            quick=state.options.quick,
+            hotspots=hotspots,
+        )
+    )
+    if bench.failure is not None:
+        raise TaskError(f"timing the reference failed: {bench.failure.message}", path=state.task_path)
+    return bench
+
+
+def _timing_run_s(bench: BenchmarkResult) -> float:
+    """Seconds of a timing run of the reference without its compiles (children, loop, hotspots)."""
+    return max(0.0, (bench.phase_s or {}).get("benchmark", 0.0) - sum(bench.compile_s.values()))
+
+
+def _add_phases(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """``total`` with ``more``'s seconds added by phase (a phase run twice counts twice)."""
+    out = dict(total)
+    for name, seconds in more.items():
+        out[name] = round(out.get(name, 0.0) + seconds, 2)
+    return out
 
 
 def _analyze(state: CrewState, ctx: CrewContext) -> tuple[dict[str, Any], str]:

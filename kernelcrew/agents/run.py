@@ -203,13 +203,17 @@ def _chat_turn(graph: Any, config: dict[str, Any], ctx: CrewContext, ask: Callab
     graph.invoke(None, config, context=ctx)
 
 
-def _parse_modes(spec: str, device: str) -> list[str]:
+def _parse_modes(spec: str, device: str) -> tuple[list[str], list[str]]:
+    """``(modes the baseline always times, modes it times when the budget affords them)``: with
+    ``auto`` only the first mode is required, the others wait on the budget; named modes are all
+    required."""
     from kernelcrew.tools.timing import parse_compile_modes
 
     try:
-        return parse_compile_modes(spec, device)
+        modes = parse_compile_modes(spec, device)
     except ValueError as exc:
         raise TaskError(str(exc)) from exc
+    return (modes[:1], modes[1:]) if spec == "auto" else (modes, [])
 
 
 def _new_state(req: OptimizeRequest, backend: str, s: Settings) -> CrewState:
@@ -223,6 +227,7 @@ def _new_state(req: OptimizeRequest, backend: str, s: Settings) -> CrewState:
         start_source, _ = unpack(read_source(req.start), str(req.start))
         check_source(start_source, "candidate", str(req.start))
     device = req.device or "cpu"
+    modes, optional_modes = _parse_modes(req.compile_modes, device)
     opts = Options(
         device=device,
         precision=req.precision,
@@ -232,7 +237,8 @@ def _new_state(req: OptimizeRequest, backend: str, s: Settings) -> CrewState:
         time_budget_s=req.time_budget_s,
         patience=req.patience,
         seed=secrets.randbits(31) if req.seed is None else req.seed,
-        compile_modes=_parse_modes(req.compile_modes, device),
+        compile_modes=modes,
+        optional_compile_modes=optional_modes,
         quick=req.quick,
     )
     return CrewState(
@@ -264,6 +270,8 @@ def _printer(console: Console) -> Callable[[dict[str, Any]], None]:
             console.print(
                 f"baseline: eager {event['eager_ms']:.4g} ms; torch.compile {comp} ({event['clock']})"
             )
+            for what, why in (event.get("skipped") or {}).items():
+                console.print(f"  [dim]{what}: {why}[/]")
         elif kind == "plan":
             console.print(
                 f"plan: [cyan]{event['strategy']}[/] {event.get('params') or ''} ({event['source']})"
@@ -292,6 +300,8 @@ def _printer(console: Console) -> Callable[[dict[str, Any]], None]:
                 console.print(f"  [dim]{hit['line'][:160]}[/]")
         elif kind == "kb_record":
             console.print(f"knowledge base: win {event['action']} ({event['id']})")
+        elif kind == "answer":
+            console.print(f"answer: [bold]{event['answer']}[/]: {event['why']}")
         elif kind in ("error", "invalid_plan"):
             console.print(f"[yellow]{kind}:[/] {event.get('message')}")
         elif kind == "node":

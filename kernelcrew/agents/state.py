@@ -10,6 +10,10 @@ from pydantic import BaseModel, Field
 
 from kernelcrew.records import Baseline, Report
 
+BASELINE_SHARE = 0.4
+"""The largest share of the time budget the baseline plans to use; the steps and the final
+timing get the rest (docs/playbook.md#how-the-budget-is-spent)."""
+
 
 class PlanStep(BaseModel):
     """One next step, as the planner returns it (validated: an invalid answer is re-asked)."""
@@ -36,7 +40,12 @@ class Options:
     local_only: bool = False
     seed: int = 0
     compile_modes: list[str] = field(default_factory=list)
+    """torch.compile modes the baseline always times."""
+    optional_compile_modes: list[str] = field(default_factory=list)
+    """Modes the baseline times only when their expected compile time fits its share of the budget
+    (``--compile-modes auto`` on a GPU: max-autotune-no-cudagraphs)."""
     quick: bool = False
+    baseline_share: float = BASELINE_SHARE
 
 
 @dataclass
@@ -114,6 +123,9 @@ class CrewState:
     elapsed_s: float = 0.0
     usage: dict[str, Any] = field(default_factory=dict)
     """Tokens and cost per agent (an LLM UsageMeter as a dict)."""
+    budget: dict[str, Any] = field(default_factory=dict)
+    """How the time budget is spent: the baseline's share and seconds, what it skipped and why, the
+    fallback's and the final timing's seconds (replaced whole by each node that adds to it)."""
     stop_reason: str = ""
     status: str = "running"
     report: Report | None = None
