@@ -1,22 +1,39 @@
-"""Decide: keep the step's candidate if it is the new best, record the step, stop or go on.
+"""Decide: keep the step's candidate if it is the new best, record the step, stop or go on; at the
+end, never empty-handed, and the final report inside the time budget.
 
 On a GPU a candidate becomes the best only when its speedup over eager is significant (the lower
 bound of its 95% interval above 1) and it beats the best so far by more than the noise of both
 timings. On a CPU, interpreter timings never drive a decision: the first verified candidate is
 kept, an own kernel preferred over a library or compiler one, and its timings are labelled CPU.
+
+A run that stops without a best, although the baseline measured torch.compile faster than eager,
+ends with the compiler candidate (``fall_back``), verified and timed like any step. ``finish``
+runs the final report with what the budget still affords and says in it what the budget covered
+and what the answer is (a candidate, the compiler's, or the reference itself).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
 from kernelcrew.agents.context import CrewContext
-from kernelcrew.agents.planner import step_key
-from kernelcrew.agents.profiler import diagnose
+from kernelcrew.agents.planner import (
+    GRACE,
+    baseline_seconds,
+    fallback_mode,
+    fallback_step,
+    final_reserve_s,
+    modelled_seconds,
+    reference_timing_s,
+    step_key,
+)
+from kernelcrew.agents.profiler import diagnose, time_candidate
 from kernelcrew.agents.state import Candidate, CrewState
+from kernelcrew.records import Report, VerifyRequest
 
 KIND_RANK = {"kernel": 0, "hybrid": 1, "library": 2, "compiler": 3}
 NOISE = 0.02
@@ -50,7 +67,11 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     elapsed = time.time() - state.started_at if state.started_at else 0.0
     if state.plan is not None or draft is not None:
         steps += 1
-        record: dict[str, Any] = {"step": steps, "elapsed_s": round(elapsed, 1)}
+        record: dict[str, Any] = {
+            "step": steps,
+            "elapsed_s": round(elapsed, 1),
+            "seconds": round(max(0.0, elapsed - _last_mark(state)), 1),
+        }
         if draft is not None:
             record.update(draft.summary())
             record["repairs"] = state.repairs
@@ -96,6 +117,244 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     return update
 
 
-def route_after_decide(state: CrewState) -> Literal["plan", "finalize"]:
-    """Finalize once a stop reason is set, else plan the next step."""
-    return "finalize" if state.stop_reason else "plan"
+def _last_mark(state: CrewState) -> float:
+    """Seconds into the run at which the last step (or the baseline) ended."""
+    marks = [r["elapsed_s"] for r in state.iterations if r.get("elapsed_s") is not None]
+    return marks[-1] if marks else baseline_seconds(state)
+
+
+def route_after_decide(state: CrewState) -> Literal["plan", "fall_back", "finalize"]:
+    """Plan the next step until a stop reason is set; then the fallback when the run has no answer
+    but the baseline measured one, else finalize."""
+    if not state.stop_reason:
+        return "plan"
+    return "fall_back" if fallback_step(state) is not None else "finalize"
+
+
+def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
+    """Verify and time the compiler candidate the baseline measured faster than eager, and keep it
+    as the answer if it passes and (on a GPU) is timed faster than eager again.
+
+    A step that already verified it is not verified again (its timing stands until the final
+    one). It runs when its expected time ends inside the budget plus the run's tolerance
+    (``GRACE``); otherwise the report says why it did not.
+    """
+    from kernelcrew.agents.playbook.compiler import generate_compiled
+
+    ctx = runtime.context
+    step = fallback_step(state)
+    mode = fallback_mode(state)
+    if step is None or mode is None:
+        raise ValueError("fall_back reached without a measured configuration faster than eager")
+    started = time.time()
+    opts = state.options
+    used = started - state.started_at if state.started_at else 0.0
+    prior = next(
+        (r for r in state.iterations if r.get("strategy") == step.strategy and r.get("verdict") == "pass"),
+        None,
+    )
+    expected = 0.0 if prior else modelled_seconds(state, step)
+    note: dict[str, Any] = {"strategy": step.strategy, "mode": mode, "why": step.rationale}
+    if used + expected > opts.time_budget_s * (1 + GRACE):
+        note["skipped"] = (
+            f"not verified: it would take about {expected:.0f} s and the run has used {used:.0f} s "
+            f"of its {opts.time_budget_s:g} s budget"
+        )
+        return {"budget": {**state.budget, "fallback": note}}
+    ctx.emit("node", node="fall_back", message=step.rationale)
+    try:
+        source = generate_compiled(state.task_source, mode)
+    except ValueError as exc:
+        note["skipped"] = f"no compiler candidate: {exc}"
+        return {"budget": {**state.budget, "fallback": note}}
+    cand = Candidate(id="fallback", strategy=step.strategy, source_kind="compiler", source=source)
+    if prior is not None:
+        cand = replace(
+            cand,
+            verdict="pass",
+            stage=prior.get("stage") or "done",
+            message=prior.get("message") or "",
+            kind=prior.get("kind"),
+            time_ms=prior.get("time_ms"),
+            speedup_eager=prior.get("speedup_eager"),
+            significant=bool(prior.get("significant")),
+            flags=list(prior.get("flags") or []),
+        )
+        note["verified_in_step"] = prior.get("step")
+        timed = cand
+    else:
+        verdict = ctx.executor.verify(
+            ctx.request(VerifyRequest, state, candidate_source=source, candidate_path="fallback.py")
+        )
+        cand.verdict, cand.stage, cand.message = verdict.verdict, verdict.stage, verdict.message
+        cand.kind, cand.failures, cand.flags = verdict.kind, verdict.failures, verdict.flags
+        ctx.emit("verify", candidate=cand.id, verdict=cand.verdict, stage=cand.stage, message=cand.message)
+        timed = time_candidate(state, ctx, cand) if cand.verdict == "pass" else cand
+    kept = timed.verdict == "pass" and (opts.device == "cpu" or (timed.speedup_eager or 0.0) > 1.0)
+    if not kept:
+        note["skipped"] = (
+            f"verified but timed at {timed.speedup_eager or 0:.3g}x eager: not returned"
+            if timed.verdict == "pass"
+            else f"failed {timed.stage}: {timed.message[:300]}"
+        )
+    elapsed = time.time() - state.started_at if state.started_at else 0.0
+    note["seconds"] = round(time.time() - started, 1)
+    record = {
+        "step": state.steps_used + 1,
+        "elapsed_s": round(elapsed, 1),
+        "seconds": note["seconds"],
+        **timed.summary(),
+        "strategy": step.strategy,
+        "rationale": step.rationale,
+        "fallback": True,
+        "new_best": kept,
+    }
+    ctx.emit("decide", step=record["step"], strategy=step.strategy, verdict=timed.verdict, new_best=kept)
+    update: dict[str, Any] = {
+        "iterations": [record],
+        "steps_used": state.steps_used + 1,
+        "elapsed_s": round(elapsed, 1),
+        "budget": {**state.budget, "fallback": note},
+    }
+    if kept:
+        update["best"] = timed
+        update["diagnosis"] = diagnose(state.baseline, timed)
+    return update
+
+
+def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
+    """The final report (``report.finalize``), its timing cut to what the budget still affords, with
+    what the budget covered (``report.budget``) and what the answer is (``report.answer``).
+
+    The final timing re-times every torch.compile mode, which is what makes it long: when the
+    expected full timing no longer fits, the best is timed against eager only (quick when even that
+    does not fit) and its speedup over torch.compile comes from the baseline's compile times.
+    """
+    from kernelcrew.agents.report import deliverable, finalize, write_report
+
+    ctx = runtime.context
+    opts = state.options
+    started = time.time()
+    used = started - state.started_at if state.started_at else 0.0
+    left = opts.time_budget_s - used
+    final: dict[str, Any] = {"compile_modes": list(opts.compile_modes), "quick": opts.quick}
+    timed_state = state
+    if state.best is not None and opts.compile_modes and final_reserve_s(state) > left:
+        quick = opts.quick or 2.0 * reference_timing_s(state) > left
+        timed_state = replace(state, options=replace(opts, compile_modes=[], quick=quick))
+        final = {
+            "compile_modes": [],
+            "quick": quick,
+            "note": f"{max(left, 0):.0f} s left of the budget: the best was timed against eager only"
+            + (" (quick)" if quick and not opts.quick else "")
+            + ", its speedup over torch.compile is against the baseline's compile times",
+        }
+    update = finalize(timed_state, _without_out_dir(ctx))
+    report: Report = update["report"]
+    if (
+        report.best is not None
+        and not final["compile_modes"]
+        and state.baseline.compile_ms
+        and report.best.best_ms
+    ):
+        report.best.compile_ms = dict(state.baseline.compile_ms)
+        report.best.speedup_compile = min(state.baseline.compile_ms.values()) / report.best.best_ms
+    ended = time.time()
+    final["seconds"] = round(ended - started, 1)
+    report.elapsed_s = round(ended - state.started_at, 1) if state.started_at else report.elapsed_s
+    report.budget = budget_account(state, final, report.elapsed_s)
+    report.answer = answer(state, report)
+    ctx.emit("answer", **report.answer)
+    if ctx.out_dir is not None:
+        best_py = deliverable(state.best.source, state.best.source_kind)[0] if report.best else None
+        write_report(ctx.out_dir, report, best_py)
+        with (ctx.out_dir / "report.md").open("a") as md:
+            md.write("\n".join(budget_lines(report)) + "\n")
+    return {**update, "report": report}
+
+
+def _without_out_dir(ctx: CrewContext) -> Any:
+    """The runtime ``finalize`` sees: ``ctx`` without an output folder (``finish`` writes the files
+    once the report is complete)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(context=replace(ctx, out_dir=None))
+
+
+def budget_account(state: CrewState, final: dict[str, Any], total_s: float) -> dict[str, Any]:
+    """What the time budget covered: the baseline (its share, its seconds, what it skipped and why),
+    each step, the fallback, the final timing, and the total against the budget."""
+    budget = state.options.time_budget_s
+    steps = [
+        {"step": r.get("step"), "strategy": r.get("strategy"), "seconds": r.get("seconds")}
+        for r in state.iterations
+        if r.get("step") and not r.get("fallback")
+    ]
+    fallback = state.budget.get("fallback")
+    return {
+        "time_budget_s": budget,
+        "baseline_share": state.budget.get("baseline_share", state.options.baseline_share),
+        "baseline_budget_s": state.budget.get("baseline_budget_s"),
+        "baseline_s": state.budget.get("baseline_s"),
+        "baseline_phase_s": state.baseline.phase_s,
+        "baseline_skipped": state.budget.get("baseline_skipped", {}),
+        "steps": steps,
+        "steps_s": round(sum(s["seconds"] or 0.0 for s in steps), 1),
+        "fallback": fallback,
+        "fallback_s": (fallback or {}).get("seconds", 0.0),
+        "final_timing": final,
+        "final_timing_s": final["seconds"],
+        "total_s": total_s,
+        "within_budget": total_s <= budget,
+        "within_tolerance": total_s <= budget * (1 + GRACE),
+    }
+
+
+def answer(state: CrewState, report: Report) -> dict[str, str]:
+    """What the user gets: ``candidate`` (a verified candidate of the run), ``compiler`` (the
+    fallback: torch.compile of the reference, verified) or ``reference`` (nothing measured beat
+    eager: the module as written), with the reason in one sentence."""
+    best = report.best
+    fallback = state.budget.get("fallback") or {}
+    if best is not None and best.id == "fallback":
+        return {
+            "answer": "compiler",
+            "why": f"no faster candidate of the run was verified; {fallback.get('why', '')}",
+        }
+    if best is not None:
+        return {"answer": "candidate", "why": f"{best.strategy} ({best.kind}), verified"}
+    eager = state.baseline.eager_ms
+    compiled = state.baseline.compile_ms
+    if fallback.get("skipped"):
+        why = (
+            f"torch.compile ({fallback.get('mode')}) beat eager in the baseline but was {fallback['skipped']}"
+        )
+    elif compiled and eager:
+        mode, ms = min(compiled.items(), key=lambda kv: kv[1])
+        why = f"nothing measured beat eager: torch.compile ({mode}) ran at {eager / ms:.2f}x eager"
+    else:
+        why = "no candidate was verified faster than eager, and no torch.compile baseline was timed"
+    return {"answer": "reference", "why": why + "; the answer is the reference, your module as written"}
+
+
+def budget_lines(report: Report) -> list[str]:
+    """report.md's account of the answer and of the time budget."""
+    budget: dict[str, Any] = getattr(report, "budget", None) or {}
+    ans: dict[str, str] = getattr(report, "answer", None) or {}
+    lines = ["", "## Answer and budget", ""]
+    if ans:
+        lines.append(f"Answer: **{ans['answer']}**: {ans['why']}.")
+    if budget:
+        lines.append(
+            f"Budget {budget['time_budget_s']:g} s, used {budget['total_s']:g} s: baseline "
+            f"{budget.get('baseline_s')} s (at most {budget.get('baseline_share', 0):.0%} planned), "
+            f"{len(budget['steps'])} step(s) {budget['steps_s']:g} s, fallback {budget['fallback_s']:g} s, "
+            f"final timing {budget['final_timing_s']:g} s."
+        )
+        lines += [f"- {what}: {why}" for what, why in (budget.get("baseline_skipped") or {}).items()]
+        if budget["final_timing"].get("note"):
+            lines.append(f"- final timing: {budget['final_timing']['note']}")
+        fallback = budget.get("fallback") or {}
+        if fallback.get("skipped"):
+            lines.append(f"- fallback ({fallback.get('strategy')}): {fallback['skipped']}")
+    return lines

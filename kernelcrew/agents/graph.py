@@ -1,4 +1,5 @@
-"""The crew's workflow: profile_baseline -> plan -> code -> verify -> profile -> decide -> plan | finalize."""
+"""The crew's workflow: profile_baseline -> plan -> code -> verify -> profile -> decide -> plan | finalize
+(through fall_back when the run has no answer but the baseline measured one)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from langgraph.graph import END, START, StateGraph
 
 from kernelcrew.agents.coder import code
 from kernelcrew.agents.context import CrewContext
-from kernelcrew.agents.decide import decide, route_after_decide
+from kernelcrew.agents.decide import decide, fall_back, finish, route_after_decide
 from kernelcrew.agents.planner import plan
 from kernelcrew.agents.profiler import profile, profile_baseline
-from kernelcrew.agents.report import finalize
 from kernelcrew.agents.state import CrewState
 from kernelcrew.agents.verifier import route_after_verify, verify
 
@@ -51,7 +51,8 @@ def build_graph() -> StateGraph:
     builder.add_node("verify", verify)
     builder.add_node("profile", profile)
     builder.add_node("decide", decide)
-    builder.add_node("finalize", finalize)
+    builder.add_node("fall_back", fall_back)
+    builder.add_node("finalize", finish)
 
     builder.add_edge(START, "profile_baseline")
     builder.add_edge("profile_baseline", "plan")
@@ -60,6 +61,7 @@ def build_graph() -> StateGraph:
     builder.add_conditional_edges("verify", route_after_verify)
     builder.add_edge("profile", "decide")
     builder.add_conditional_edges("decide", route_after_decide)
+    builder.add_edge("fall_back", "finalize")
     builder.add_edge("finalize", END)
     return builder
 

@@ -1,0 +1,231 @@
+"""The time budget: a bounded baseline, steps that fit, the compiler fallback, the budget's account."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kernelcrew.agents.decide import answer, route_after_decide
+from kernelcrew.agents.planner import (
+    _fits_budget,
+    _seconds_left,
+    expected_seconds,
+    fallback_step,
+    modelled_seconds,
+)
+from kernelcrew.agents.run import OptimizeRequest, _parse_modes, run_optimize
+from kernelcrew.agents.state import Candidate, CrewState, Options, PlanStep
+from kernelcrew.config import Settings
+from kernelcrew.records import Report
+from kernelcrew.tools.executor import LocalExecutor
+
+#: A pointwise chain on a tensor large enough that Inductor's one fused loop beats eager's dozen
+#: passes on a CPU too; small enough for Triton's interpreter.
+CHAIN = '''"""A heavy-ish pointwise chain: a dozen elementwise passes over a 128 x 512 tensor."""
+
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = x * 1.5 + y
+        z = torch.sigmoid(z) * z
+        z = z - 0.25 * y
+        z = torch.tanh(z) + x
+        z = z * z + 0.5
+        z = torch.exp(-z) * y + x
+        return z * 0.75 - y * 0.125
+
+
+def get_inputs():
+    return [torch.randn(128, 512), torch.randn(128, 512)]
+
+
+def get_init_inputs():
+    return []
+
+
+def get_test_inputs():
+    return [[torch.randn(7, 13), torch.randn(7, 13)]]
+'''
+
+KERNEL = PlanStep(strategy="fused_pointwise", rationale="r", expected_gain=2.0, params={"BLOCK_SIZE": 1024})
+COMPILE = PlanStep(strategy="torch_compile", rationale="r", expected_gain=1.5)
+
+
+def state(device: str = "cuda", **kw) -> CrewState:
+    """A run 30 s into a 100 s budget, after a baseline whose timing run took 5 s."""
+    base = {
+        "eager_ms": 2.0,
+        "compile_ms": {"default": 1.0},
+        "compile_s": {"default": 4.0},
+        "phase_s": {"golden": 5.0, "benchmark": 9.0},
+    }
+    values = dict(
+        task_source="",
+        options=Options(device=device, time_budget_s=100.0),
+        baseline=base,
+        budget={"baseline_s": 15.0},
+        started_at=time.time() - 30.0,
+    )
+    return CrewState(**{**values, **kw})
+
+
+def test_auto_compile_modes_time_one_mode_and_keep_the_second_for_the_budget():
+    assert _parse_modes("auto", "cuda") == (["default"], ["max-autotune-no-cudagraphs"])
+    assert _parse_modes("default,max-autotune-no-cudagraphs", "cuda") == (
+        ["default", "max-autotune-no-cudagraphs"],
+        [],
+    )
+    assert _parse_modes("auto", "cpu") == ([], [])
+
+
+def test_the_first_step_is_expected_from_the_baseline_and_a_compile_step_costs_its_compiles():
+    """Before any step ended, a step is two of the baseline's timing runs (9 s less the 4 s
+    compile), and a torch.compile step adds three compiles of its mode (max-autotune: four times
+    the default's)."""
+    s = state()
+    assert modelled_seconds(s, KERNEL) == pytest.approx(10.0)
+    assert modelled_seconds(s, COMPILE) == pytest.approx(10.0 + 3 * 4.0)
+    autotune = PlanStep(strategy="torch_compile_max_autotune", rationale="r", expected_gain=1.5)
+    assert modelled_seconds(s, autotune) == pytest.approx(10.0 + 3 * 16.0)
+    s.iterations = [{"step": 1, "elapsed_s": 40.0}]  # a 25 s step: the longest so far goes first
+    assert expected_seconds(s, KERNEL) == pytest.approx(25.0)
+
+
+def test_the_budget_holds_on_a_cpu_too_and_keeps_room_for_the_fallback():
+    """The budget is wall-clock time on any device. While the run has no answer and the baseline
+    measured torch.compile faster than eager, a compiler step's time is kept for the fallback."""
+    cpu = state("cpu", iterations=[{"step": 1, "elapsed_s": 29.0, "strategy": "fused_pointwise"}])
+    # 100 - 30 used - 15.3 final timing (1.7 x 9 s) - 22 fallback (10 s + 3 x 4 s compile)
+    assert _seconds_left(cpu) == pytest.approx(32.7, abs=0.5)
+    assert _fits_budget(cpu, KERNEL)  # 14 s step
+    cpu.iterations = [{"step": 1, "elapsed_s": 29.0 - 20.0}, {"step": 2, "elapsed_s": 29.0}]
+    cpu.options.time_budget_s = 70.0
+    assert not _fits_budget(cpu, KERNEL), "a 20 s step does not fit in 2.7 s"
+    cpu.best = Candidate(id="c1", strategy="fused_pointwise", source_kind="kernel", source="", verdict="pass")
+    assert _seconds_left(cpu) == pytest.approx(24.7, abs=0.5), "with an answer, no fallback is kept"
+
+
+def test_the_fallback_is_the_compile_mode_that_beat_eager_unless_a_step_judged_it():
+    s = state()
+    step = fallback_step(s)
+    assert step is not None and step.strategy == "torch_compile" and "2.00x faster" in step.rationale
+    s.stop_reason = "no strategy left to try"
+    assert route_after_decide(s) == "fall_back"
+    s.baseline.compile_ms = {"default": 1.99}  # within noise of eager: nothing beat it
+    assert fallback_step(s) is None and route_after_decide(s) == "finalize"
+    s.baseline.compile_ms = {"default": 1.5, "max-autotune-no-cudagraphs": 1.2, "reduce-overhead": 0.5}
+    assert fallback_step(s).strategy == "torch_compile_max_autotune"  # no candidate of reduce-overhead
+    s.iterations = [{"step": 1, "strategy": "torch_compile_max_autotune", "verdict": "fail"}]
+    assert fallback_step(s) is None, "a step already failed it"
+    s.iterations = [
+        {"step": 1, "strategy": "torch_compile_max_autotune", "verdict": "pass", "speedup_eager": 0.97}
+    ]
+    assert fallback_step(s) is None, "its own timing said it is not faster"
+    s.iterations[0]["speedup_eager"] = 1.3  # faster, not significantly: returned, not verified again
+    assert fallback_step(s) is not None
+    s.best = Candidate(id="c1", strategy="fused_pointwise", source_kind="kernel", source="", verdict="pass")
+    assert fallback_step(s) is None
+
+
+def test_with_nothing_faster_than_eager_the_answer_is_the_reference():
+    s = state(baseline={"eager_ms": 2.0, "compile_ms": {"default": 2.5}})
+    got = answer(s, Report(status="no_significant_gain"))
+    assert got["answer"] == "reference"
+    assert "nothing measured beat eager: torch.compile (default) ran at 0.80x eager" in got["why"]
+    assert got["why"].endswith("the answer is the reference, your module as written")
+
+
+class GoldenCountingExecutor(LocalExecutor):
+    """The local executor, counting the goldens it computes."""
+
+    made = 0
+
+    def golden(self, request):
+        before = len(self._goldens)
+        golden = super().golden(request)
+        self.made += len(self._goldens) > before
+        return golden
+
+
+def optimize(tmp_path, budget: float, compile_modes: str, messages=(), **kw):
+    """A playbook run of CHAIN on the CPU: (report.json, report.md, wall seconds, executor)."""
+    task = tmp_path / "chain.py"
+    task.write_text(CHAIN)
+    settings = Settings(data_dir=tmp_path / "data")
+    executor = GoldenCountingExecutor(settings)
+    req = OptimizeRequest(
+        task=task,
+        device="cpu",
+        max_iters=6,
+        quick=True,
+        compile_modes=compile_modes,
+        backend="playbook",
+        time_budget_s=budget,
+        out=tmp_path / "out",
+        use_kb=False,
+        messages=list(messages),
+        **kw,
+    )
+    t0 = time.monotonic()
+    run_optimize(req, settings=settings, executor=executor)
+    wall = time.monotonic() - t0
+    out = tmp_path / "out"
+    return json.loads((out / "report.json").read_text()), (out / "report.md").read_text(), wall, executor
+
+
+def test_a_heavy_run_stays_within_its_budget_and_says_what_the_budget_covered(tmp_path):
+    """A task whose torch.compile baseline takes about half the budget on this CPU: the baseline
+    overruns its 40 % share, the first step still starts, no step starts that would end past the
+    budget, the final timing is cut to what is left, and the run ends within its budget plus 20 %.
+    report.json accounts for the baseline's phases, each step and the final timing; the golden is
+    computed once."""
+    budget = 120.0
+    data, md, wall, executor = optimize(tmp_path, budget, "default")
+    b = data["budget"]
+    assert wall <= budget * 1.2 and b["total_s"] <= budget * 1.2 and b["within_tolerance"], b
+    assert b["baseline_share"] == 0.4 and b["baseline_budget_s"] == 48.0
+    assert {"golden", "benchmark"} <= set(b["baseline_phase_s"]) and b["baseline_s"] > 0
+    assert len(b["steps"]) >= 1 and all(step["seconds"] > 0 for step in b["steps"])
+    assert b["steps"][0]["strategy"] == "fused_pointwise"
+    assert b["final_timing_s"] > 0 and b["steps_s"] > 0
+    assert b["total_s"] >= b["baseline_s"] + b["steps_s"]
+    assert data["answer"]["answer"] == "candidate" and data["best"]["kind"] == "kernel"
+    assert executor.made == 1, "one golden per run, reused by every child"
+    assert "## Answer and budget" in md and f"Budget {budget:g} s, used" in md
+
+
+def test_nothing_verified_and_no_compile_faster_means_the_reference_is_the_answer(tmp_path):
+    """The user leaves the playbook nothing to try and no torch.compile baseline was timed: the
+    run ends without a candidate and says plainly that the answer is the module as written."""
+    data, md, _, _ = optimize(tmp_path, 300.0, "none", ["only kernels", "skip fused_pointwise"])
+    assert data["best"] is None and data["status"] == "no_verified_candidate"
+    assert data["stop_reason"] == "no strategy left to try"
+    assert data["answer"]["answer"] == "reference"
+    assert "the answer is the reference, your module as written" in md
+    assert not (tmp_path / "out" / "best.py").exists()
+
+
+def test_a_run_without_an_answer_returns_the_compiler_candidate_the_baseline_measured_faster(tmp_path):
+    """The baseline measures torch.compile faster than eager; the user leaves the playbook no
+    strategy, so no step verifies anything: the compiler candidate is verified, timed and returned
+    (kind compiler), with the reason in the report, rather than nothing."""
+    budget = 400.0
+    data, md, wall, _ = optimize(tmp_path, budget, "default", ["only kernels", "skip fused_pointwise"])
+    base = data["baseline"]
+    assert base["compile_ms"]["default"] < base["eager_ms"], "precondition: the compiler beat eager here"
+    (record,) = data["iterations"]
+    assert record["fallback"] and record["strategy"] == "torch_compile" and record["verdict"] == "pass"
+    assert data["best"]["strategy"] == "torch_compile" and data["best"]["kind"] == "compiler"
+    assert (
+        data["answer"]["answer"] == "compiler"
+        and "faster than eager in the baseline" in data["answer"]["why"]
+    )
+    assert data["budget"]["fallback_s"] > 0 and wall <= budget * 1.2
+    best = (tmp_path / "out" / "best.py").read_text()
+    assert "torch.compile(self._reference_forward, mode='default'" in best
+    assert "Answer: **compiler**" in md
