@@ -24,11 +24,13 @@ from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.planner import (
     GRACE,
     baseline_seconds,
+    compiler_strategies,
     fallback_mode,
     fallback_step,
     final_reserve_s,
     modelled_seconds,
     reference_timing_s,
+    refused_by_user,
     step_key,
 )
 from kernelcrew.agents.profiler import diagnose, time_candidate
@@ -325,10 +327,14 @@ def answer(state: CrewState, report: Report) -> dict[str, str]:
         return {"answer": "candidate", "why": f"{best.strategy} ({best.kind}), verified"}
     eager = state.baseline.eager_ms
     compiled = state.baseline.compile_ms
+    mode = fallback_mode(state)
+    refused = refused_by_user(state, compiler_strategies()[mode]) if mode else ""
     if fallback.get("skipped"):
         why = (
             f"torch.compile ({fallback.get('mode')}) beat eager in the baseline but was {fallback['skipped']}"
         )
+    elif refused:
+        why = f"torch.compile ({mode}) beat eager in the baseline, but {refused}"
     elif compiled and eager:
         mode, ms = min(compiled.items(), key=lambda kv: kv[1])
         why = f"nothing measured beat eager: torch.compile ({mode}) ran at {eager / ms:.2f}x eager"

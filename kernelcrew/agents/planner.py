@@ -333,16 +333,33 @@ def fallback_mode(state: CrewState) -> str | None:
     return min(faster, key=lambda mode: faster[mode]) if faster else None
 
 
+def refused_by_user(state: CrewState, strategy: str) -> str:
+    """Why the user's guidance rules ``strategy`` out (``only kernels``, ``skip <strategy>``), or ""."""
+    from kernelcrew.agents import playbook
+
+    entry = playbook.STRATEGIES.get(strategy)
+    for message in state.user_messages:
+        action, arg = parse_guidance(message)
+        if action == "only_kernels" and entry is not None and entry.source_kind != "kernel":
+            return f"the user asked for own kernels only ({message!r})"
+        if action == "skip" and arg == strategy:
+            return f"the user asked to skip it ({message!r})"
+    return ""
+
+
 def fallback_step(state: CrewState) -> PlanStep | None:
     """The compiler candidate a run without a verified answer ends with: the baseline measured it
     (torch.compile) faster than eager. None when there is a best, when nothing measured beat eager,
-    or when a step already judged that candidate: failed, or timed not faster than eager."""
+    when the user's guidance rules it out, or when a step already judged that candidate: failed,
+    or timed not faster than eager."""
     if state.best is not None:
         return None
     mode = fallback_mode(state)
     if mode is None:
         return None
     name = compiler_strategies()[mode]
+    if refused_by_user(state, name):
+        return None
     for record in state.iterations:
         if record.get("strategy") != name or record.get("verdict") not in ("pass", "fail"):
             continue

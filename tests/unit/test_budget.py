@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kernelcrew.agents.decide import answer, route_after_decide
+from kernelcrew.agents.llm import ReplayChat
 from kernelcrew.agents.planner import (
     _fits_budget,
     _seconds_left,
@@ -132,6 +133,18 @@ def test_the_fallback_is_the_compile_mode_that_beat_eager_unless_a_step_judged_i
     assert fallback_step(s) is None
 
 
+def test_the_fallback_obeys_the_users_guidance():
+    """A user who asked for own kernels only, or to skip the compiler, gets no compiler candidate
+    as the answer; the report says why the answer is the reference."""
+    for message in ("only kernels", "skip torch_compile"):
+        s = state(user_messages=[message])
+        assert fallback_step(s) is None
+        why = answer(s, Report(status="no_significant_gain"))["why"]
+        assert why.startswith("torch.compile (default) beat eager in the baseline, but the user asked")
+        assert repr(message) in why
+    assert fallback_step(state(user_messages=["skip fused_pointwise"])) is not None
+
+
 def test_with_nothing_faster_than_eager_the_answer_is_the_reference():
     s = state(baseline={"eager_ms": 2.0, "compile_ms": {"default": 2.5}})
     got = answer(s, Report(status="no_significant_gain"))
@@ -152,16 +165,17 @@ class GoldenCountingExecutor(LocalExecutor):
         return golden
 
 
-def optimize(tmp_path, budget: float, compile_modes: str, messages=(), **kw):
-    """A playbook run of CHAIN on the CPU: (report.json, report.md, wall seconds, executor)."""
+def optimize(tmp_path, budget: float, compile_modes: str, messages=(), chat=None, **kw):
+    """A run of CHAIN on the CPU (the playbook's unless ``chat``): (report.json, report.md, wall
+    seconds, executor)."""
     task = tmp_path / "chain.py"
     task.write_text(CHAIN)
     settings = Settings(data_dir=tmp_path / "data")
     executor = GoldenCountingExecutor(settings)
     req = OptimizeRequest(
+        **{"max_iters": 6, **kw},
         task=task,
         device="cpu",
-        max_iters=6,
         quick=True,
         compile_modes=compile_modes,
         backend="playbook",
@@ -169,10 +183,9 @@ def optimize(tmp_path, budget: float, compile_modes: str, messages=(), **kw):
         out=tmp_path / "out",
         use_kb=False,
         messages=list(messages),
-        **kw,
     )
     t0 = time.monotonic()
-    run_optimize(req, settings=settings, executor=executor)
+    run_optimize(req, settings=settings, executor=executor, chat=chat)
     wall = time.monotonic() - t0
     out = tmp_path / "out"
     return json.loads((out / "report.json").read_text()), (out / "report.md").read_text(), wall, executor
@@ -211,14 +224,16 @@ def test_nothing_verified_and_no_compile_faster_means_the_reference_is_the_answe
 
 
 def test_a_run_without_an_answer_returns_the_compiler_candidate_the_baseline_measured_faster(tmp_path):
-    """The baseline measures torch.compile faster than eager; the user leaves the playbook no
-    strategy, so no step verifies anything: the compiler candidate is verified, timed and returned
-    (kind compiler), with the reason in the report, rather than nothing."""
+    """The baseline measures torch.compile faster than eager; the run's one step fails (the
+    planner's model answers no valid step, twice), so nothing is verified: the compiler candidate
+    is verified, timed and returned (kind compiler), with the reason in the report, not nothing."""
     budget = 400.0
-    data, md, wall, _ = optimize(tmp_path, budget, "default", ["only kernels", "skip fused_pointwise"])
+    chat = ReplayChat(["no json here", "still none"])
+    data, md, wall, _ = optimize(tmp_path, budget, "default", max_iters=1, chat=chat)
     base = data["baseline"]
     assert base["compile_ms"]["default"] < base["eager_ms"], "precondition: the compiler beat eager here"
-    (record,) = data["iterations"]
+    failed, record = data["iterations"]
+    assert failed["stage"] == "plan" and failed["verdict"] == "fail"
     assert record["fallback"] and record["strategy"] == "torch_compile" and record["verdict"] == "pass"
     assert data["best"]["strategy"] == "torch_compile" and data["best"]["kind"] == "compiler"
     assert (
