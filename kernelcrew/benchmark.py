@@ -10,7 +10,9 @@ A suite may take longer than one batch job or CI step may run, so the run is sha
 Each task runs the whole crew under its own time budget, with its run folder under ``OUT/runs``.
 The table: ``{"device", "arch", "versions", "rows":
 [{"task", "eager_ms", "compile_ms", "best_ms", "speedup_eager", "speedup_compile", "sol_fraction",
-"strategy", "params", "source_kind", "verified", "wall_s"}]}``, plus the status and stop reason per row.
+"strategy", "params", "source_kind", "verified", "wall_s"}]}``, plus the status and stop reason per row,
+the answer (``candidate``, ``compiler``: the fallback, or ``reference``: nothing beat eager) and where
+the run's seconds went (``budget_s``: baseline, steps, fallback, final timing, total).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def row_from_report(task: str, report: Report | None, wall_s: float) -> dict[str
     if report is None:
         return {"task": task, "verified": False, "status": "error", "wall_s": round(wall_s, 1)}
     best = report.best
+    budget = (report.model_extra or {}).get("budget") or {}
+    answer = (report.model_extra or {}).get("answer") or {}
     compiled = (best.compile_ms if best else None) or report.baseline.compile_ms or {}
     compile_ms = min(compiled.values()) if compiled else None
     fractions = report.roofline.get("sol_fraction") or {}
@@ -68,6 +72,13 @@ def row_from_report(task: str, report: Report | None, wall_s: float) -> dict[str
         "significant": best.significant if best else None,
         "wall_s": round(wall_s, 1),
         "run_id": report.run_id,
+        "answer": answer.get("answer"),
+        "within_budget": budget.get("within_tolerance"),
+        "budget_s": {
+            k: budget.get(k) for k in ("baseline_s", "steps_s", "fallback_s", "final_timing_s", "total_s")
+        }
+        if budget
+        else None,
     }
 
 
@@ -135,9 +146,16 @@ def markdown(data: dict[str, Any]) -> str:
         f"Geometric mean over {s.get('tasks')} tasks with a verified best: {f(s.get('geomean_eager'), '.3g')}x over "
         f"eager, {f(s.get('geomean_compile'), '.3g')}x over torch.compile; own kernels are the answer on "
         f"{s.get('own_kernels')} tasks.",
+        "Answers: "
+        + (", ".join(f"{n} {a}" for a, n in (s.get("answers") or {}).items()) or "-")
+        + f"; runs past their budget plus 20 %: {s.get('over_budget', 0)}.",
         "",
     ]
     return "\n".join(lines)
+
+
+#: What a run answers with: a candidate of its own, the compiler fallback, or the reference.
+ANSWERS = ("candidate", "compiler", "reference")
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,6 +165,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "geomean_eager": geomean([r.get("speedup_eager") for r in verified]),
         "geomean_compile": geomean([r.get("speedup_compile") for r in verified]),
         "own_kernels": sum(1 for r in verified if r.get("source_kind") == "kernel"),
+        "answers": {a: sum(1 for r in rows if r.get("answer") == a) for a in ANSWERS},
+        "over_budget": sum(1 for r in rows if r.get("within_budget") is False),
     }
 
 

@@ -102,6 +102,31 @@ def test_rows_and_geomean():
     assert geomean([2.0, 8.0]) == 4.0 and geomean([]) is None
 
 
+def test_a_row_says_what_the_run_answered_and_where_its_seconds_went():
+    """The answer (own candidate, the compiler fallback, or the reference) and the budget's account
+    travel into the row; the summary counts answers and runs past their budget plus 20 %."""
+    from kernelcrew.benchmark import summarize
+    from kernelcrew.records import Report
+
+    budget = {"baseline_s": 30.0, "steps_s": 40.0, "fallback_s": 0.0, "final_timing_s": 9.0, "total_s": 80.0}
+    report = Report.model_validate(
+        {
+            "status": "no_significant_gain",
+            "answer": {"answer": "reference", "why": "nothing measured beat eager"},
+            "budget": {**budget, "within_tolerance": True, "steps": []},
+        }
+    )
+    row = row_from_report("t", report, 81.0)
+    assert row["answer"] == "reference" and row["budget_s"] == budget and row["within_budget"] is True
+    late = {**row, "task": "u", "answer": "compiler", "within_budget": False}
+    summary = summarize([row, late])
+    assert (
+        summary["answers"] == {"candidate": 0, "compiler": 1, "reference": 1} and summary["over_budget"] == 1
+    )
+    table = markdown({"suite": "s", "rows": [row, late], "summary": summary, "versions": {}})
+    assert "Answers: 0 candidate, 1 compiler, 1 reference; runs past their budget plus 20 %: 1." in table
+
+
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "bench" / "suite"
 
