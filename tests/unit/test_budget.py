@@ -235,7 +235,11 @@ def test_a_run_without_an_answer_returns_the_compiler_candidate_the_baseline_mea
     failed, record = data["iterations"]
     assert failed["stage"] == "plan" and failed["verdict"] == "fail"
     assert record["fallback"] and record["strategy"] == "torch_compile" and record["verdict"] == "pass"
-    assert data["best"]["strategy"] == "torch_compile" and data["best"]["kind"] == "compiler"
+    best = data["best"]
+    assert best["strategy"] == "torch_compile" and best["source_kind"] == "compiler"
+    # kind is tools/kinds.py's reading of a profile: on a GPU Inductor's Triton kernels make it
+    # compiler; on a CPU its C++ loops are read as library time
+    assert best["kind"] in ("compiler", "library")
     assert (
         data["answer"]["answer"] == "compiler"
         and "faster than eager in the baseline" in data["answer"]["why"]
