@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -208,6 +209,10 @@ def test_a_heavy_run_stays_within_its_budget_and_says_what_the_budget_covered(tm
     assert b["final_timing_s"] > 0 and b["steps_s"] > 0
     assert b["total_s"] >= b["baseline_s"] + b["steps_s"]
     assert data["answer"]["answer"] == "candidate" and data["best"]["kind"] == "kernel"
+    if not b["final_timing"]["compile_modes"]:  # cut: the compile times come from the baseline
+        assert b["final_timing"]["compile_ms_from_baseline"] == ["default"]
+        assert "timed against eager only" in b["final_timing"]["note"]
+    assert data["best"]["speedup_compile"] is not None
     assert executor.made == 1, "one golden per run, reused by every child"
     assert "## Answer and budget" in md and f"Budget {budget:g} s, used" in md
 
@@ -248,3 +253,34 @@ def test_a_run_without_an_answer_returns_the_compiler_candidate_the_baseline_mea
     best = (tmp_path / "out" / "best.py").read_text()
     assert "torch.compile(self._reference_forward, mode='default'" in best
     assert "Answer: **compiler**" in md
+
+
+def test_the_baseline_leaves_out_a_second_compile_mode_its_share_cannot_afford(tmp_path):
+    """The baseline node on a 5 s budget (a 2 s share, already spent by the golden and the timing
+    run): the optional max-autotune mode is not timed, and the budget says why."""
+    from kernelcrew.agents.context import CrewContext
+    from kernelcrew.agents.profiler import profile_baseline
+    from tests.conftest import FIXTURES
+
+    settings = Settings(data_dir=tmp_path / "data")
+    s = CrewState(
+        task_source=(FIXTURES / "tasks" / "pointwise.py").read_text(),
+        options=Options(
+            device="cpu",
+            time_budget_s=5.0,
+            quick=True,
+            optional_compile_modes=["max-autotune-no-cudagraphs"],
+        ),
+        started_at=time.time(),
+    )
+    executor = LocalExecutor(settings)
+    try:
+        update = profile_baseline(s, SimpleNamespace(context=CrewContext(executor=executor)))
+    finally:
+        executor.close()
+    budget = update["budget"]
+    assert budget["baseline_budget_s"] == 2.0 and budget["baseline_s"] > 2.0
+    why = budget["baseline_skipped"]["compile:max-autotune-no-cudagraphs"]
+    assert why.startswith("not timed: its compile and timing run would take about")
+    assert "of the baseline's 2 s remain (40% of the 5 s budget)" in why
+    assert update["baseline"].compile_ms == {} and update["baseline"].eager_ms > 0
