@@ -288,7 +288,12 @@ def budget_account(state: CrewState, final: dict[str, Any], total_s: float) -> d
     each step, the fallback, the final timing, and the total against the budget."""
     budget = state.options.time_budget_s
     steps = [
-        {"step": r.get("step"), "strategy": r.get("strategy"), "seconds": r.get("seconds")}
+        {
+            "step": r.get("step"),
+            "strategy": r.get("strategy"),
+            "seconds": r.get("seconds"),
+            "phase_s": r.get("phase_s") or {},
+        }
         for r in state.iterations
         if r.get("step") and not r.get("fallback")
     ]

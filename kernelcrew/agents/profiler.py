@@ -243,7 +243,9 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     if draft is None or draft.verdict != "pass":
         raise ValueError("profile reached without a verified draft")
     ctx = runtime.context
+    clock = time.monotonic()
     timed = time_candidate(state, ctx, draft)
+    timed.phase_s = {**timed.phase_s, "timing": round(time.monotonic() - clock, 2)}
     best = state.best
     faster = timed.time_ms is not None and (
         best is None or best.time_ms is None or timed.time_ms < best.time_ms
@@ -260,6 +262,7 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             )
         )
         timed.ncu = result.ncu
+        timed.phase_s["ncu"] = round(time.monotonic() - clock - timed.phase_s["timing"], 2)
         ctx.emit("ncu", candidate=timed.id, available=(timed.ncu or {}).get("available"))
     return {"draft": timed}
 

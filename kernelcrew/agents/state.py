@@ -74,6 +74,8 @@ class Candidate:
     flags: list[str] = field(default_factory=list)
     unusable_replies: list[str] = field(default_factory=list)
     """Why the coder's model replies before this source could not be used (empty, refused, cut off)."""
+    phase_s: dict[str, float] = field(default_factory=dict)
+    """Seconds of the profile node's phases for this candidate: its timing run, Nsight Compute."""
 
     def summary(self) -> dict[str, Any]:
         """Everything but the source (what an iteration record keeps)."""

@@ -206,6 +206,7 @@ def test_a_heavy_run_stays_within_its_budget_and_says_what_the_budget_covered(tm
     assert {"golden", "benchmark"} <= set(b["baseline_phase_s"]) and b["baseline_s"] > 0
     assert len(b["steps"]) >= 1 and all(step["seconds"] > 0 for step in b["steps"])
     assert b["steps"][0]["strategy"] == "fused_pointwise"
+    assert 0 < b["steps"][0]["phase_s"]["timing"] < b["steps"][0]["seconds"], "the timing run, then the rest"
     assert b["final_timing_s"] > 0 and b["steps_s"] > 0
     assert b["total_s"] >= b["baseline_s"] + b["steps_s"]
     assert data["answer"]["answer"] == "candidate" and data["best"]["kind"] == "kernel"
