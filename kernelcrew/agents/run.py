@@ -154,8 +154,15 @@ def run_optimize(
             else:
                 opts: Options = values["options"]
                 extra = req.max_iters if req.max_iters else 3
-                new_opts = replace(opts, max_iters=values["steps_used"] + extra)
-                out.print(f"continuing finished run [bold]{run_id}[/] for {extra} more steps")
+                # the time spent so far stays spent; the continuation gets the request's time budget
+                spent = _spent_s(values)
+                new_opts = replace(
+                    opts, max_iters=values["steps_used"] + extra, time_budget_s=spent + req.time_budget_s
+                )
+                out.print(
+                    f"continuing finished run [bold]{run_id}[/] for {extra} more steps "
+                    f"and {req.time_budget_s:g} s"
+                )
                 graph.update_state(
                     config,
                     {
@@ -163,7 +170,7 @@ def run_optimize(
                         "options": new_opts,
                         "stop_reason": "",
                         "status": "running",
-                        "started_at": time.time() - values.get("elapsed_s", 0.0),
+                        "started_at": time.time() - spent,
                     },
                     as_node="decide",
                 )
@@ -180,6 +187,14 @@ def run_optimize(
         where = ctx.out_dir
         out.print(f"[bold]{report.status}[/]: {report.stop_reason}. Report: {where}/report.md")
     return report
+
+
+def _spent_s(values: dict[str, Any]) -> float:
+    """Seconds a finished run has used: its report's total (final timing included) when it has one."""
+    report = values.get("report")
+    if isinstance(report, dict):
+        report = Report.model_validate(report)
+    return report.elapsed_s if report is not None else values.get("elapsed_s", 0.0)
 
 
 def open_kb(settings: Settings) -> Any:

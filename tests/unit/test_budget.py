@@ -227,6 +227,17 @@ def test_nothing_verified_and_no_compile_faster_means_the_reference_is_the_answe
     assert data["answer"]["answer"] == "reference"
     assert "the answer is the reference, your module as written" in md
     assert not (tmp_path / "out" / "best.py").exists()
+    # continued with a message, the run keeps the seconds it spent and gets the new request's budget
+    spent = data["elapsed_s"]
+    again = run_optimize(
+        OptimizeRequest(
+            task=None, resume=data["run_id"], messages=["stop"], time_budget_s=50.0, use_kb=False
+        ),
+        settings=Settings(data_dir=tmp_path / "data"),
+    )
+    assert again.stop_reason == "stopped by the user"
+    assert again.model_extra["budget"]["time_budget_s"] == pytest.approx(spent + 50.0)
+    assert again.elapsed_s >= spent
 
 
 def test_a_run_without_an_answer_returns_the_compiler_candidate_the_baseline_measured_faster(tmp_path):
