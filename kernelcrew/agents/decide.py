@@ -23,6 +23,7 @@ from langgraph.runtime import Runtime
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.planner import (
     GRACE,
+    NOISE,
     baseline_seconds,
     compiler_strategies,
     fallback_mode,
@@ -38,8 +39,6 @@ from kernelcrew.agents.state import Candidate, CrewState
 from kernelcrew.records import Report, VerifyRequest
 
 KIND_RANK = {"kernel": 0, "hybrid": 1, "library": 2, "compiler": 3}
-NOISE = 0.02
-"""Relative gain below which a faster candidate is not better: the timer's spread (see docs/benchmarks.md)."""
 
 
 def is_better(new: Candidate, best: Candidate | None, device: str) -> bool:

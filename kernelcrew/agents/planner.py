@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.knowledge import hits_text, task_hits
+from kernelcrew.agents.profiler import expected_compile_s
 from kernelcrew.agents.state import CrewState, PlanStep
 
 GUIDANCE = re.compile(
@@ -241,6 +242,8 @@ def step_seconds(state: CrewState) -> list[float]:
     return out
 
 
+NOISE = 0.02
+"""Relative gain below which a faster candidate is not better: the timer's spread (see docs/benchmarks.md)."""
 #: A step verifies its candidate (children that run it on every input set) and times it against
 #: eager (a timing run like the baseline's, without the compile modes): before any step ended, it
 #: is expected to take this many times the baseline's timing run. An estimate, not a measurement.
@@ -251,9 +254,6 @@ COMPILES_PER_STEP = 3
 #: A compile's expected seconds when the baseline compiled nothing (``--compile-modes none``, the
 #: CPU's default). An assumption, not a measurement.
 UNMEASURED_COMPILE_S = 10.0
-#: How much longer max-autotune-no-cudagraphs compiles than mode="default" (it compiles and times
-#: several templates per matmul or convolution). An estimate, not a measurement.
-AUTOTUNE_COMPILE_FACTOR = 4.0
 #: How far past its time budget the never-empty-handed fallback may end a run: the run's tolerance.
 GRACE = 0.2
 
@@ -273,15 +273,6 @@ def reference_timing_s(state: CrewState) -> float:
     """Seconds of the baseline's timing run, less its torch.compile compiles."""
     base = state.baseline
     return max(0.0, base.phase_s.get("benchmark", 0.0) - sum(base.compile_s.values()))
-
-
-def expected_compile_s(compile_s: dict[str, float], mode: str) -> float:
-    """The expected compile time of ``mode`` from the compile times measured so far (by mode): its
-    own, else estimated from mode="default"'s (0 when nothing was compiled: unknown)."""
-    if mode in compile_s:
-        return compile_s[mode]
-    default = compile_s.get("default", 0.0)
-    return default * AUTOTUNE_COMPILE_FACTOR if mode.startswith("max-autotune") else default
 
 
 def modelled_seconds(state: CrewState, step: PlanStep) -> float:
@@ -321,8 +312,6 @@ def final_reserve_s(state: CrewState) -> float:
 def fallback_mode(state: CrewState) -> str | None:
     """The fastest torch.compile mode the baseline measured faster than eager (beyond noise) that
     the playbook's compiler strategies generate, or None."""
-    from kernelcrew.agents.decide import NOISE
-
     eager = state.baseline.eager_ms
     modes = compiler_strategies()
     faster = {

@@ -33,8 +33,6 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
     and Nsight Compute of the reference run only when their expected time fits what is left of that
     share, and ``budget["baseline_skipped"]`` says why each was left out.
     """
-    from kernelcrew.agents.planner import expected_compile_s  # the planner imports this module
-
     ctx = runtime.context
     opts = state.options
     started = state.started_at or time.time()
@@ -144,6 +142,20 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         skipped=skipped,
     )
     return update
+
+
+#: How much longer max-autotune-no-cudagraphs compiles than mode="default" (it compiles and times
+#: several templates per matmul or convolution). An estimate, not a measurement.
+AUTOTUNE_COMPILE_FACTOR = 4.0
+
+
+def expected_compile_s(compile_s: dict[str, float], mode: str) -> float:
+    """The expected compile time of ``mode`` from the compile times measured so far (by mode): its
+    own, else estimated from mode="default"'s (0 when nothing was compiled: unknown)."""
+    if mode in compile_s:
+        return compile_s[mode]
+    default = compile_s.get("default", 0.0)
+    return default * AUTOTUNE_COMPILE_FACTOR if mode.startswith("max-autotune") else default
 
 
 #: Nsight Compute of the reference replays each of its kernels once per metric pass, in a child of
