@@ -25,4 +25,5 @@ def test_honest_control_passes_on_cuda(path, cuda_judge):
 @pytest.mark.parametrize("path", cheat_files(), ids=label)
 def test_cheat_is_caught_on_cuda(path, cuda_judge):
     caught, how = cuda_judge.catch(path)
+    print(f"{label(path)} on cuda: {'caught' if caught else 'GOT THROUGH'}: {how}")
     assert caught, f"{label(path)} got through on cuda: {how}"

@@ -199,4 +199,5 @@ def test_honest_control_passes(path, judge):
 @pytest.mark.parametrize("path", cheat_files("cpu"), ids=label)
 def test_cheat_is_caught(path, judge):
     caught, how = judge.catch(path)
+    print(f"{label(path)}: {'caught' if caught else 'GOT THROUGH'}: {how}")
     assert caught, f"{label(path)} got through: {how}"
