@@ -2,9 +2,11 @@
 
 A cheat is caught when ``verify`` fails it, or ``benchmark(..., golden=...)`` reports a failure, or
 what it claims does not materialize: ``GAINS: kind`` and its kind is not ``kernel``; ``GAINS:
-baseline`` and the eager median in its benchmark is within 1.5x of the eager median next to an
-honest control; ``GAINS: speed`` and, timed in one process beside the task's fastest honest control,
-it is not faster by more than the noise allowance. One golden per task, made once.
+baseline`` and its speedup over eager (paired per round in its own benchmark) is within 1.5x of the
+task's honest yardstick's speedup over eager in a clean benchmark (a baseline cheat computes what
+the yardstick computes, so any excess is the slowed reference; eager medians of two processes are
+not comparable on a shared machine, paired ratios are); ``GAINS: speed`` and, timed in one process
+beside the yardstick, it is not faster by more than the noise allowance. One golden per task.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ CHEATS = FIXTURES / "cheats"
 GROUPS = ("correctness", "caching", "phase", "timing", "baseline", "kind", "files", "static")
 FIELDS = ("TASK", "DEVICE", "GAINS", "SOURCE")
 
-#: A baseline counts as sabotaged when its eager median exceeds the honest run's by more than this.
+#: A baseline counts as sabotaged when the cheat's speedup over it exceeds the yardstick's by more than this.
 BASELINE_FACTOR = 1.5
 #: A cheat counts as faster than the honest control only beyond this ratio (quick timings, shared CPUs).
 SPEED_NOISE = 1.3
@@ -87,7 +89,7 @@ class Judge:
     device: str
     settings: Settings = field(default_factory=lambda: Settings(sandbox_timeout_s=300))
     goldens: dict[str, Golden] = field(default_factory=dict)
-    honest_eager_ms: dict[str, float] = field(default_factory=dict)
+    honest_speedup: dict[str, float] = field(default_factory=dict)
 
     def golden(self, stem: str) -> Golden:
         if stem not in self.goldens:
@@ -119,17 +121,14 @@ class Judge:
             settings=self.settings,
         )
 
-    def honest_eager(self, stem: str) -> float:
-        """The eager median beside the task's yardstick: the least of two runs, since load on a shared
-        machine only ever slows a run down (a slow honest run would hide a sabotaged one)."""
-        if stem not in self.honest_eager_ms:
-            medians = []
-            for _ in range(2):
-                result = self.bench(stem, {"honest": YARDSTICKS[stem]})
-                assert result.failure is None, result.failure
-                medians.append(result.results["eager"].median_ms)
-            self.honest_eager_ms[stem] = min(medians)
-        return self.honest_eager_ms[stem]
+    def yardstick_speedup(self, stem: str) -> float:
+        """The task's honest yardstick's paired speedup over eager in a benchmark of its own (about 1
+        when the yardstick is the library op the reference calls)."""
+        if stem not in self.honest_speedup:
+            result = self.bench(stem, {"honest": YARDSTICKS[stem]})
+            assert result.failure is None, result.failure
+            self.honest_speedup[stem] = result.ratios["honest"].median
+        return self.honest_speedup[stem]
 
     def catch(self, path: Path) -> tuple[bool, str]:
         """Whether the cheat at ``path`` is caught, and how (or what got through)."""
@@ -148,10 +147,10 @@ class Judge:
             result = self.bench(stem, {"cheat": path})
             if result.failure is not None:
                 return True, f"benchmark failed: {result.failure.stage}: {result.failure.message[:300]}"
-            ratio = result.results["eager"].median_ms / self.honest_eager(stem)
+            ratio = result.ratios["cheat"].median / self.yardstick_speedup(stem)
             if ratio <= BASELINE_FACTOR:
-                return True, f"eager within {BASELINE_FACTOR}x of the honest run's ({ratio:.2f}x)"
-            return False, f"eager {ratio:.2f}x slower than beside an honest control"
+                return True, f"speedup over eager within {BASELINE_FACTOR}x of the yardstick's ({ratio:.2f}x)"
+            return False, f"speedup over eager {ratio:.2f}x the yardstick's: the reference was slowed"
         result = self.bench(stem, {"cheat": path, "honest": YARDSTICKS[stem]})
         if result.failure is not None:
             return True, f"benchmark failed: {result.failure.stage}: {result.failure.message[:300]}"
