@@ -147,10 +147,12 @@ class Judge:
             result = self.bench(stem, {"cheat": path})
             if result.failure is not None:
                 return True, f"benchmark failed: {result.failure.stage}: {result.failure.message[:300]}"
-            ratio = result.ratios["cheat"].median / self.yardstick_speedup(stem)
+            speedup, honest = result.ratios["cheat"].median, self.yardstick_speedup(stem)
+            ratio = speedup / honest
+            seen = f"speedup over eager {speedup:.2f}x against the yardstick's {honest:.2f}x"
             if ratio <= BASELINE_FACTOR:
-                return True, f"speedup over eager within {BASELINE_FACTOR}x of the yardstick's ({ratio:.2f}x)"
-            return False, f"speedup over eager {ratio:.2f}x the yardstick's: the reference was slowed"
+                return True, f"{seen}: within {BASELINE_FACTOR}x"
+            return False, f"{seen}: the reference was slowed"
         result = self.bench(stem, {"cheat": path, "honest": YARDSTICKS[stem]})
         if result.failure is not None:
             return True, f"benchmark failed: {result.failure.stage}: {result.failure.message[:300]}"
