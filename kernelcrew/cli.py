@@ -182,6 +182,7 @@ def run_verify(
             task_path=str(task),
             golden=golden,
             settings=settings,
+            profile_kind=not timing,  # the timing profiles the candidate it times
         )
         report: dict[str, Any] = verdict.model_dump(mode="json")
         report.update(baseline_ms=None, compile_ms=None, candidate_ms=None, speedup=None, timing=None)

@@ -530,11 +530,14 @@ def verify(
     candidate_path: str = "candidate.py",
     settings: Settings | None = None,
     golden: Golden | None = None,
+    profile_kind: bool = True,
 ) -> Verdict:
     """Run the whole verification protocol; raises :class:`TaskError` for an unusable task file.
 
     Pass a ``golden`` from :func:`make_golden` to judge several candidates against one set of
-    inputs and reference outputs (its device, precision and seed then apply).
+    inputs and reference outputs (its device, precision and seed then apply). With
+    ``profile_kind=False`` the candidate's kind is left to the timing that follows
+    (:func:`kernelcrew.tools.timing.benchmark` profiles the timed candidate itself).
     """
     s = settings or get_settings()
     # A best.py's torch.compile packaging is not candidate code: off it comes, checked to be exactly
@@ -598,6 +601,7 @@ def verify(
             "candidate_path": candidate_path,
             "sets": meta["sets"],
             "reference_aliases": any(r["alias"] for r in meta["sets"]),
+            "profile_kind": profile_kind,
         }
         res = sandbox.run(
             "kernelcrew.tools.harness:candidate_child",

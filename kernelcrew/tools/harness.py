@@ -756,11 +756,13 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             )
 
     # Whose kernels did the work: a profile of calls on the seed sets, outside the poisoned memory.
-    profiled = [dev_sets[r["index"]] for r in sets if r["origin"] == "seed"] or dev_sets[:1]
-    reps = KIND_CALLS_VERIFY if device.startswith("cuda") else 1
-    kind, kind_evidence = kinds.profile_kind(
-        lambda inputs: model(*inputs), profiled, device=device, own=kinds.own_names(source), reps=reps
-    )
+    kind, kind_evidence = None, {"note": "decided by the timing that follows"}
+    if payload.get("profile_kind", True):
+        profiled = [dev_sets[r["index"]] for r in sets if r["origin"] == "seed"] or dev_sets[:1]
+        reps = KIND_CALLS_VERIFY if device.startswith("cuda") else 1
+        kind, kind_evidence = kinds.profile_kind(
+            lambda inputs: model(*inputs), profiled, device=device, own=kinds.own_names(source), reps=reps
+        )
     torch.save(outputs, workdir / "child" / "outputs.pt")
     return {
         "checks": checks,

@@ -314,6 +314,8 @@ def classify(
         kind = "kernel"
     elif shares["own"] >= HYBRID_SHARE:
         kind = "hybrid"
+    elif own.compiler:  # it compiled itself: what ran is what the compiler emitted (C++ on a CPU)
+        kind = "compiler"
     else:
         kind = "compiler" if by_owner["compiler"] > by_owner["library"] else "library"
     top = sorted(per_kernel.items(), key=lambda item: item[1][0], reverse=True)[:_TOP_KERNELS]
