@@ -620,6 +620,7 @@ def verify(
         value = res.value or {}
         verdict.checks.extend(value["checks"])
         verdict.kind, verdict.kind_evidence = value["kind"], value["kind_evidence"]
+        verdict.flags.extend(value.get("notes", []))
         _judge(verdict, meta, cand_dir / "child" / "outputs.pt", golden.path, value["nondeterministic"])
         if verdict.passed and s.compute_sanitizer and device.startswith("cuda"):
             _memcheck(verdict, cand_payload, cand_dir, env, s)
@@ -816,6 +817,8 @@ def _label(key: str, rec: dict[str, Any]) -> str:
         "seq:B": "cache sequence B on set",
         "seq:A_new_address": "A's data at a new address, set",
         "seq:B_at_A_address": "B's data written into A's tensors, set",
+        "grad": "autograd-enabled call on input set",
+        "inference": "inference-mode call on input set",
     }
     prefix = key.rsplit(":", 1)[0]
     origin = rec["origin"]

@@ -47,6 +47,9 @@ STATE_CHECK_EVERY = 8
 #: Calls the verify child profiles on a GPU to decide the candidate's kind (the timing process
 #: profiles its own, on fresh data, and its kind is the one reported with a speedup).
 KIND_CALLS_VERIFY = 5
+#: The verify child keeps the outputs of its first calls (on different data) and checks at the end
+#: that later calls left them alone: a candidate rotating through fewer output buffers than calls fails.
+HELD_OUTPUTS = 6
 
 
 class Laps:
@@ -673,11 +676,11 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     checks: list[dict[str, Any]] = [{"name": "build", "passed": True, "detail": build}]
     outputs: dict[str, list[Any]] = {}
 
-    def call(inputs: list[Any], label: str) -> Any:
+    def call(inputs: list[Any], label: str, mode: Any = None) -> Any:
         before = snapshot_state((path,))
         snapshot = clone_tensors(inputs)
         try:
-            with torch.no_grad():
+            with mode() if mode is not None else torch.no_grad():
                 out = model(*inputs)
             synchronize(device)
         except BaseException as exc:
@@ -699,13 +702,19 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             raise StageError("output_type", f"the candidate's output on {label}: " + "; ".join(problems[:3]))
         return out
 
-    def keep(key: str, out: Any) -> None:
+    handed_out: list[tuple[str, list[Any], list[Any]]] = []  # outputs that must survive later calls
+    notes: list[str] = []
+
+    def keep(key: str, out: Any, hold: bool = False) -> None:
         outputs[key] = [t.detach().to("cpu").clone() for t in flatten_outputs(out)]
+        if hold:
+            handed_out.append((key, flatten_outputs(out), outputs[key]))
 
     with poisoned_memory():
         dev_sets = [to_device(s, device) for s in input_lists]
-        for rec, inputs in zip(sets, dev_sets, strict=True):
-            keep(f"set:{rec['index']}", call(inputs, f"input set {rec['index']} ({rec['origin']})"))
+        for i, (rec, inputs) in enumerate(zip(sets, dev_sets, strict=True)):
+            label = f"input set {rec['index']} ({rec['origin']})"
+            keep(f"set:{rec['index']}", call(inputs, label), hold=i < HELD_OUTPUTS)
         checks.append({"name": "all input sets", "passed": True, "detail": f"{len(sets)} sets ran"})
 
         # The same inputs twice: same output, and the first output must survive the second call.
@@ -734,15 +743,28 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             }
         )
 
+        # A user's call may run with autograd on or in inference mode: the same answer there.
+        first_set = sets[0]["index"]
+        for mode_name, mode in (("grad", torch.enable_grad), ("inference", torch.inference_mode)):
+            try:
+                out = call(clone_tensors(dev_sets[0]), f"input set 0 with {mode_name} mode", mode)
+            except StageError as exc:
+                if exc.stage != "runtime":
+                    raise
+                notes.append(f"does not run in {mode_name} mode: {exc.message[:200]}")
+                continue
+            keep(f"{mode_name}:{first_set}", out)
+
         # Caching by address or call count: A, B, A's data at a new address, B's data at A's address.
         seeds = [r["index"] for r in sets if r["origin"] == "seed"]
         a, b = seeds[0], seeds[1] if len(seeds) > 1 else None
         if b is not None and describe_inputs(dev_sets[a]) == describe_inputs(dev_sets[b]):
-            keep(f"seq:A:{a}", call(dev_sets[a], "cache sequence A"))
-            keep(f"seq:B:{b}", call(dev_sets[b], "cache sequence B"))
+            keep(f"seq:A:{a}", call(dev_sets[a], "cache sequence A"), hold=True)
+            keep(f"seq:B:{b}", call(dev_sets[b], "cache sequence B"), hold=True)
             keep(
                 f"seq:A_new_address:{a}",
                 call(clone_tensors(dev_sets[a]), "cache sequence A at a new address"),
+                hold=True,
             )
             at_a = dev_sets[a]
             copy_into(at_a, dev_sets[b])
@@ -754,6 +776,16 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
                     "detail": "A, B, A at new address, B at A's address",
                 }
             )
+
+        # Every output handed out must stay as it was: a candidate that writes each call into
+        # one (or a few) buffers of its own overwrites what an earlier caller still holds.
+        for key, live, copies in handed_out:
+            if not all(_bitwise_equal(t.detach().to("cpu"), c) for t, c in zip(live, copies, strict=True)):
+                raise StageError(
+                    "cache",
+                    f"the output of an earlier call ({key.rsplit(':', 1)[0]}) changed during later calls: "
+                    "an output buffer reused across calls",
+                )
 
     # Whose kernels did the work: a profile of calls on the seed sets, outside the poisoned memory.
     kind, kind_evidence = None, {"note": "decided by the timing that follows"}
@@ -769,6 +801,7 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         "build": build,
         "kind": kind,
         "kind_evidence": kind_evidence,
+        "notes": notes,
         "nondeterministic": declared,
     }
 

@@ -370,6 +370,21 @@ def profile_kind(
     on_gpu = str(device).startswith("cuda")
     rows, calls, extra = (_device_rows if on_gpu else _host_rows)(fn, inputs_list, device, reps)
     kind, evidence = classify(rows, own, calls=calls, complete=calls == reps)
+    if not on_gpu and kind == "kernel":
+        # The interpreter makes an own kernel's time on a CPU many times its device time, so a
+        # library op beside it (a matmul) says more than its share: then it is at most hybrid.
+        from kernelcrew.tools.anticheat import TRIVIAL_OPS
+
+        computing = sorted(
+            {
+                row[0]
+                for row in rows
+                if str(row[0]).startswith("aten::") and str(row[0])[6:].rstrip("_") not in TRIVIAL_OPS
+            }
+        )
+        if computing:
+            kind = "hybrid"
+            evidence["note"] = f"on a CPU, library ops beside the own kernels make it hybrid: {computing[:5]}"
     evidence.update(extra)
     evidence["calls_requested"] = reps
     evidence["clock"] = (

@@ -142,6 +142,11 @@ class Judge:
                 return True, f"kind is {verdict.kind}"
             return False, f"passed as an own kernel: {verdict.kind_evidence}"
         if gains == "correctness":
+            weak = [
+                f for f in verdict.flags if f == "verified at one shape" or "constant on every input set" in f
+            ]
+            if weak:  # right on everything the task defines: the verdict tells the user how little that is
+                return True, f"passed, flagged: {weak}"
             return False, f"passed verification ({verdict.message})"
         if gains == "baseline":
             result = self.bench(stem, {"cheat": path})
