@@ -41,6 +41,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import glob
 import importlib
 import importlib.util
 import json
@@ -512,8 +513,6 @@ def _outermost(paths: list[Path]) -> list[Path]:
 
 
 def _nvidia_devices() -> list[str]:
-    import glob
-
     return sorted(glob.glob("/dev/nvidia*"))
 
 
@@ -643,7 +642,12 @@ def _readonly_paths(target: str, wrapper: tuple[str, ...], pycache_prefix: Path 
         if os.environ.get(var):
             paths.append(Path(os.environ[var]))
     if wrapper and (tool := shutil.which(wrapper[0])):
-        paths.append(Path(os.path.realpath(tool)).parent)  # e.g. an Nsight Compute install in /opt
+        real = Path(os.path.realpath(tool))
+        paths.append(real.parent)  # e.g. an Nsight Compute install in /opt
+        # A toolkit's launcher script (bin/ncu) runs the tool from its own install: beside the
+        # toolkit (nsight-compute-*) or under /opt/nvidia.
+        for pattern in (str(real.parent.parent / "nsight-compute*"), "/opt/nvidia/nsight-compute*"):
+            paths.extend(Path(os.path.realpath(found)) for found in glob.glob(pattern))
     if pycache_prefix is not None:
         paths.append(pycache_prefix)
     return paths
