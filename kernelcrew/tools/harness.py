@@ -35,6 +35,10 @@ SIGNED_SETS = 2
 #: fp16, misses the golden. A variant is kept only where the float64 reference stays finite and
 #: PyTorch's own output passes the pass rule with room to spare (see VARIANT_TOLERANCE_USED).
 SCALE_FACTORS = (100.0, 1e-3)
+#: Bytes of input sets the golden child makes at most (the seed sets, then variants): every set is
+#: kept with its golden for the whole verification, so a task whose inputs are gigabytes gets fewer
+#: sets (never fewer than two seeds: the cache sequence needs them) and says so.
+GOLDEN_INPUT_BYTES = 8 * 1024**3
 #: The most of the pass rule's tolerance PyTorch's own output may use on a scaled variant, unless it
 #: uses as much on the set it was scaled from (within a factor of 2: low-precision outputs spend a
 #: good part of it on their final rounding). Beyond that the scale is ill-conditioned for the task
@@ -352,10 +356,26 @@ def _make_input_sets(task: Task, seed: int, n_seeds: int, device: str) -> list[d
         torch.manual_seed(s)
         inputs = made(lambda: call_inputs(task.get_inputs, "get_inputs", task.name))
         sets.append({"origin": "seed", "seed": s, "inputs": inputs})
+        if i >= 1 and (i + 2) * input_bytes(inputs) > golden_input_budget():
+            break  # the next set would pass the budget
     torch.manual_seed(seed + TEST_SEED_OFFSET)
     for j, inputs in enumerate(made(lambda: test_input_sets(task))):
         sets.append({"origin": "test", "seed": seed + TEST_SEED_OFFSET, "test_index": j, "inputs": inputs})
     return sets
+
+
+def golden_input_budget() -> int:
+    """:data:`GOLDEN_INPUT_BYTES`, or an eighth of the memory a child may use where that is less:
+    the golden child also holds each set's float64 golden and native output, and its folder (where
+    all of them are saved) is memory too."""
+    from kernelcrew.tools.sandbox import machine_memory_limit
+
+    return min(GOLDEN_INPUT_BYTES, machine_memory_limit() // 8)
+
+
+def input_bytes(inputs: Any) -> int:
+    """Bytes of the tensors in an input set (nested lists, tuples and dicts included)."""
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors(inputs))
 
 
 def _signed_variant(inputs: list[Any], seed: int, device: str = "cpu") -> list[Any] | None:
@@ -443,6 +463,12 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     native_model = model.to(device).eval()
     model64 = copy.deepcopy(native_model).to(torch.float64).eval()
     notes: list[str] = [inputs_note] if inputs_note else []
+    seed_sets = [s for s in sets if s["origin"] == "seed"]
+    if len(seed_sets) < int(payload["n_seeds"]):
+        size = input_bytes(seed_sets[0]["inputs"]) / 1e9
+        notes.append(
+            f"{len(seed_sets)} seed input sets instead of {payload['n_seeds']}: each is {size:.1f} GB"
+        )
     shapes = {tuple(describe_inputs(s["inputs"])) for s in sets if s["origin"] == "seed"}
     if len(shapes) != 1:
         notes.append("get_inputs() returned different shapes under different seeds")
@@ -522,7 +548,14 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         inputs = s.pop("inputs")
         add(dict(s), inputs)
     lap("reference")
+
+    def room(inputs: list[Any]) -> bool:
+        return sum(input_bytes(x) for x in input_lists) + input_bytes(inputs) <= golden_input_budget()
+
     for rec in [r for r in records if r["origin"] == "seed"][:SIGNED_SETS]:
+        if not room(input_lists[rec["index"]]):
+            notes.append("signed variants not tested: the inputs are too large for more sets")
+            break
         variant = _signed_variant(input_lists[rec["index"]], seed + SIGN_SEED_OFFSET + rec["index"], device)
         if variant is not None:
             add({"origin": "signed", "seed": rec["seed"], "of": rec["index"]}, variant)
@@ -530,6 +563,9 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     seed_records = [r for r in records if r["origin"] == "seed"]
     for k, factor in enumerate(SCALE_FACTORS):
         rec = seed_records[k % len(seed_records)]
+        if not room(input_lists[rec["index"]]):
+            notes.append("scaled variants not tested: the inputs are too large for more sets")
+            break
         variant = _scaled_variant(input_lists[rec["index"]], factor, device)
         if variant is None:
             break  # no floating input: no factor applies

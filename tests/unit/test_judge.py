@@ -175,3 +175,18 @@ def test_judged_elements_are_the_same_positions_on_both_sides():
     assert torch.equal(a[0]["values"], b[0]["values"])  # the golden side draws the same positions
     assert torch.equal(a[1]["values"], small)  # a small tensor is judged whole
     assert not torch.equal(pick_elements([big], pick=8)[0]["values"], a[0]["values"])
+
+
+def test_a_task_with_large_inputs_gets_fewer_sets(monkeypatch):
+    from kernelcrew.task import load_task
+    from kernelcrew.tools import harness
+
+    task = load_task(TASK, path="task.py")
+    one_set = 256 * 64 * 4
+    monkeypatch.setattr(harness, "GOLDEN_INPUT_BYTES", int(2.5 * one_set))
+    sets = harness._make_input_sets(task, 1, 5, "cpu")
+    assert [s["origin"] for s in sets] == ["seed", "seed"]
+    monkeypatch.setattr(harness, "GOLDEN_INPUT_BYTES", 0)  # never fewer than two: the cache sequence
+    assert len(harness._make_input_sets(task, 1, 5, "cpu")) == 2
+    monkeypatch.setattr(harness, "GOLDEN_INPUT_BYTES", 100 * one_set)
+    assert len(harness._make_input_sets(task, 1, 5, "cpu")) == 5
