@@ -174,6 +174,10 @@ class Judge:
 def check_honest(judge: Judge, path: Path) -> None:
     """An honest control passes, with kind ``kernel`` when it launches Triton kernels, else ``library``."""
     verdict = judge.verify(path, cheat_meta(path)["TASK"])
+    refused = re.search(r"^REFUSED: (\w+)", path.read_text(), re.M)
+    if refused:  # correct code our policy does not take (streams): refused by that rule, nothing else
+        assert not verdict.passed and verdict.stage == refused.group(1), (verdict.stage, verdict.message)
+        return
     assert verdict.passed, (verdict.stage, verdict.message, verdict.failures[:2])
     expected = "kernel" if "import triton" in path.read_text() else "library"
     assert verdict.kind == expected, (verdict.kind, verdict.kind_evidence)
@@ -207,7 +211,14 @@ def test_honest_control_passes(path, judge):
     check_honest(judge, path)
 
 
-@pytest.mark.parametrize("path", cheat_files("cpu"), ids=label)
+#: Groups whose cheats are timed (a benchmark each): their tests are in test_cheats_timed.py, so the
+#: two halves of the corpus run on different test workers.
+TIMED_GROUPS = ("timing", "baseline", "kind")
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in cheat_files("cpu") if p.parent.name not in TIMED_GROUPS], ids=label
+)
 def test_cheat_is_caught(path, judge):
     caught, how = judge.catch(path)
     print(f"{label(path)}: {'caught' if caught else 'GOT THROUGH'}: {how}")
