@@ -122,7 +122,7 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def _import_aliases(tree: ast.Module) -> dict[str, str]:
+def import_aliases(tree: ast.Module) -> dict[str, str]:
     """Local name -> what it stands for (``tl`` -> ``triton.language``, ``load_inline`` -> its full name)."""
     aliases: dict[str, str] = {}
     for node in ast.walk(tree):
@@ -169,7 +169,7 @@ def detect_source_kind(source: str) -> dict[str, bool]:
         tree = parse_python(source)
     except SyntaxError:
         return _detect_by_text(source)
-    aliases = _import_aliases(tree)
+    aliases = import_aliases(tree)
     imported = set(aliases.values())
     if any(m == "triton" or m.startswith("triton.") for m in imported):
         kind["triton"] = True

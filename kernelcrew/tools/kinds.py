@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NamedTuple
 
+from kernelcrew.tools.build import import_aliases
+
 #: The kinds, from most to least the candidate's own work.
 KINDS = ("kernel", "hybrid", "compiler", "library")
 #: Own kernels' share of the time from which a candidate is a ``kernel``.
@@ -115,23 +117,6 @@ _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\([^)]*\)")
 _GLOBAL_NAME = re.compile(r"^[^(;{}]*?([A-Za-z_]\w*)\s*\(")
 
 
-def _aliases(tree: ast.AST) -> dict[str, str]:
-    """Local name -> the dotted module path it stands for, from every import in the file."""
-    aliases: dict[str, str] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.asname:
-                    aliases[alias.asname] = alias.name
-                else:
-                    root = alias.name.split(".")[0]
-                    aliases[root] = root
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            for alias in node.names:
-                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-    return aliases
-
-
 def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
     """``a.b.c`` of a Name/Attribute chain, its root resolved through the imports."""
     parts = []
@@ -177,7 +162,7 @@ def own_names(source: str) -> OwnNames:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return OwnNames()
-    aliases = _aliases(tree)
+    aliases = import_aliases(tree)
     triton: set[str] = set()
     cuda: set[str] = set()
     compiler = any(_is_compiler(path) for path in aliases.values())
