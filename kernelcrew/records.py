@@ -100,8 +100,10 @@ class Verdict(Record):
     seed: int = Field(description="The seed of the inputs it was judged on.")
     device: str = Field(description="Where it ran.")
     precision: str = Field(description="The precision policy it was judged under.")
-    kind: str | None = Field(None, description="kernel, library or compiler: whose work ran.")
-    kind_evidence: Json = Field(default_factory=dict, description="The trace that decided the kind.")
+    kind: str | None = Field(
+        None, description="kernel, hybrid, library or compiler: whose kernels took the time."
+    )
+    kind_evidence: Json = Field(default_factory=dict, description="The profile that decided the kind.")
     max_rel_error: float | None = Field(None, description="The worst relative error over the outputs.")
     flags: list[str] = Field(default_factory=list, description="Caveats of the verdict.")
     checks: list[Json] = Field(default_factory=list, description="Each check: name, passed, detail.")
@@ -312,7 +314,7 @@ class ReportBest(StoredRecord):
     id: str = Field(description="The candidate's id.")
     strategy: str = Field(description="The strategy that made it.")
     params: Json = Field(default_factory=dict, description="Its parameters.")
-    kind: str | None = Field(None, description="kernel, library or compiler.")
+    kind: str | None = Field(None, description="kernel, hybrid, library or compiler.")
     source_kind: str | None = Field(None, description="What its source is (kernel, compiler, ...).")
     flags: list[str] = Field(default_factory=list, description="Caveats.")
     clock: str | None = Field(None, description="cuda-event or cpu-wall.")
