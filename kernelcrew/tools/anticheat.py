@@ -1018,6 +1018,9 @@ def _thread_origin(thread: threading.Thread) -> str:
 #: Prefixes of the ``sys.modules`` entries that must keep their module object (a replaced entry
 #: hands every later importer, the harness included, the candidate's look-alike).
 WATCHED_MODULES = ("torch", "triton", "numpy", "kernelcrew", "time", "builtins", "sys", "os", "math")
+#: Modules the compiler generates and registers (and replaces when it compiles again, as under
+#: another grad mode): their entries are its own, not a candidate's patch.
+GENERATED_MODULES = ("torch._inductor.runtime.compile_tasks.", "torch._inductor.codecache.")
 
 #: ``(caller's file, callback's file)`` of every ``atexit.register`` call since the recorder went in.
 _ATEXIT_RECORDS: list[tuple[str, str]] = []
@@ -1208,7 +1211,7 @@ def _namespace_changes(name: str, old: dict[str, Any], new: dict[str, Any]) -> l
     changes = []
     watched = name != "sys.modules"
     for key, value in old.items():
-        if not watched and key.split(".")[0] not in WATCHED_MODULES:
+        if not watched and (key.split(".")[0] not in WATCHED_MODULES or key.startswith(GENERATED_MODULES)):
             continue
         current = new.get(key, _UNKNOWN)
         if current is value:

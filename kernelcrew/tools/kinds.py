@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NamedTuple
 
+from kernelcrew.task import parse_python
 from kernelcrew.tools.build import import_aliases
 
 #: The kinds, from most to least the candidate's own work.
@@ -159,7 +160,7 @@ def own_names(source: str) -> OwnNames:
     built only names a kernel that never runs, which counts for nothing.
     """
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except (SyntaxError, ValueError):
         return OwnNames()
     aliases = import_aliases(tree)
@@ -357,19 +358,15 @@ def profile_kind(
     kind, evidence = classify(rows, own, calls=calls, complete=calls == reps)
     if not on_gpu and kind == "kernel":
         # The interpreter makes an own kernel's time on a CPU many times its device time, so a
-        # library op beside it (a matmul) says more than its share: then it is at most hybrid.
-        from kernelcrew.tools.anticheat import TRIVIAL_OPS
+        # matmul, convolution or attention beside it says more than its share: then it is hybrid.
+        from kernelcrew.tools.correctness import MATMUL_OPS
 
-        computing = sorted(
-            {
-                row[0]
-                for row in rows
-                if str(row[0]).startswith("aten::") and str(row[0])[6:].rstrip("_") not in TRIVIAL_OPS
-            }
-        )
-        if computing:
+        heavy = sorted({str(row[0]) for row in rows if str(row[0]).removeprefix("aten::") in MATMUL_OPS})
+        if heavy:
             kind = "hybrid"
-            evidence["note"] = f"on a CPU, library ops beside the own kernels make it hybrid: {computing[:5]}"
+            evidence["note"] = (
+                f"on a CPU, a library matmul or convolution beside own kernels is hybrid: {heavy[:5]}"
+            )
     evidence.update(extra)
     evidence["calls_requested"] = reps
     evidence["clock"] = (

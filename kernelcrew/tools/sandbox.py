@@ -899,11 +899,15 @@ def run(
     if isinstance(child, SandboxResult):
         return child
     status = None
-    while child.proc.poll() is None:
-        status = child.over_limit()
-        if status:
-            break
-        time.sleep(0.01)
+    try:
+        while child.proc.poll() is None:
+            status = child.over_limit()
+            if status:
+                break
+            time.sleep(0.01)
+    except BaseException:  # interrupted (a worker's time limit): nothing of the child outlives it
+        child.reap("error")
+        raise
     return child.reap(status)
 
 

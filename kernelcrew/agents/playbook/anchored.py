@@ -35,6 +35,7 @@ from kernelcrew.agents.playbook.analysis import TaskAnalysis, refs_of
 from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, checked_copy, reference_source
 from kernelcrew.agents.playbook.rows.lowering import ROW_OPS
 from kernelcrew.agents.playbook.rows.lowering import SIGNATURES as ROW_SIGNATURES
+from kernelcrew.task import parse_python
 
 #: Ops a region may hold: what the pointwise and row generators lower.
 FUSIBLE = pointwise.SUPPORTED_OPS | ROW_OPS
@@ -533,7 +534,7 @@ class _Prefix(ast.NodeTransformer):
 def _prefixed(source: str, prefix: str) -> str:
     """A generated candidate's kernels and helpers, without its docstring, imports, ``ModelNew``
     and ``_container``, every module-level name prefixed with ``prefix``."""
-    tree = ast.parse(source)
+    tree = parse_python(source)
     body = [
         s
         for s in tree.body
