@@ -75,11 +75,10 @@ def label(path: Path) -> str:
     return f"{path.parent.name}/{path.stem}"
 
 
-def _best_ms(stats: Any) -> float:
-    """The time a candidate is credited with: its event (or CPU wall) median, or its CUDA-graph median
-    when graphs ran and were faster."""
-    graph = stats.graph_median_ms
-    return min(stats.median_ms, graph) if graph else stats.median_ms
+def _speedup(ratio: Any) -> float:
+    """The speedup over eager a candidate is credited with: its paired median, or its CUDA-graph one
+    when graphs ran and it was higher."""
+    return max(ratio.median, ratio.graph_median or 0.0)
 
 
 @dataclass
@@ -161,7 +160,9 @@ class Judge:
         result = self.bench(stem, {"cheat": path, "honest": YARDSTICKS[stem]})
         if result.failure is not None:
             return True, f"benchmark failed: {result.failure.stage}: {result.failure.message[:300]}"
-        ratio = _best_ms(result.results["honest"]) / max(_best_ms(result.results["cheat"]), 1e-9)
+        # Both speedups are paired per round with the same eager reps, so load on a shared machine
+        # moves them together; their medians' ratio is what the cheat gained over honest work.
+        ratio = _speedup(result.ratios["cheat"]) / max(_speedup(result.ratios["honest"]), 1e-9)
         if ratio <= SPEED_NOISE:
             return True, f"not faster than the honest control beyond noise ({ratio:.2f}x)"
         return False, f"{ratio:.2f}x faster than the honest control, {result.samples_checked} samples judged"
