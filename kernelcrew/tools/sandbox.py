@@ -925,10 +925,6 @@ class Session:
         self._sequence = 0
         self.result: SandboxResult | None = None
 
-    @property
-    def isolation(self) -> dict[str, Any]:
-        return self._child.isolation
-
     def request(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """Send one request, wait for its reply; :class:`ChannelError` when none comes.
 
