@@ -682,29 +682,19 @@ class _StaticChecker(ast.NodeVisitor):
             )
         if not isinstance(self.parents.get(node), ast.ClassDef):
             self._check_binding(node.name, node)
-        for arg in [
-            *node.args.posonlyargs,
-            *node.args.args,
-            *node.args.kwonlyargs,
-            node.args.vararg,
-            node.args.kwarg,
-        ]:
-            if arg is not None:
-                self._check_binding(arg.arg, arg)
+        self._check_arguments(node.args)
         self.generic_visit(node)
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
-    def visit_Lambda(self, node: ast.Lambda) -> None:
-        for arg in [
-            *node.args.posonlyargs,
-            *node.args.args,
-            *node.args.kwonlyargs,
-            node.args.vararg,
-            node.args.kwarg,
-        ]:
+    def _check_arguments(self, args: ast.arguments) -> None:
+        """A parameter name binds like an assignment: it may not shadow an import."""
+        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
             if arg is not None:
                 self._check_binding(arg.arg, arg)
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        self._check_arguments(node.args)
         self.generic_visit(node)
 
     def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
