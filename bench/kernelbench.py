@@ -19,8 +19,8 @@ change to one stratum leaves the others' draws alone. Nothing is chosen by how w
 ``--copy-to DIR`` copies the sample into one flat folder, each task renamed ``l{level}_{file}`` (the
 levels reuse numbers), with ``sample.json`` beside it; keep DIR out of git (the files are KernelBench's).
 
-Running (``--run DIR``): the folder's tasks through ``kernelcrew bench`` with its defaults, one shard per
-GPU (``bench/run_suite.py``'s ``launch``), resumable: each shard resumes from its own table and, on a
+Running (``--run DIR``): the folder's tasks through ``kernelcrew bench`` with its defaults, in an order
+that keeps a run stopped early stratified (``run_order``), one shard per GPU (``bench/run_suite.py``'s ``launch``), resumable: each shard resumes from its own table and, on a
 fresh machine, from the rows of the canonical result file, so a second command continues where the
 first stopped. ``--wall-limit S`` (counted from ``--started``, an epoch time, default now) is the
 command's limit: no task starts when fewer than ``--reserve`` seconds (120) are left, and shards still
@@ -368,7 +368,7 @@ def seed_shards(results: Path, order: list[str], gpus: list[str], out: Path, dev
 def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str, Any]:
     """Run (or continue) the sample in ``args.run`` and write the result files."""
     limit_at = None if args.wall_limit is None else (args.started or time.time()) + args.wall_limit
-    order = [p.stem for p in suite_tasks(args.run)]
+    order = run_order([p.stem for p in suite_tasks(args.run)])
     gpus = [g for g in args.gpus.split(",") if g]
     results = args.results / f"{args.name}.json"
     seeded = seed_shards(results, order, gpus, args.out, args.device)
@@ -398,6 +398,25 @@ def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str
     results.with_suffix(".md").write_text(markdown(data))
     print(markdown(data))
     return data
+
+
+def run_order(names: list[str]) -> list[str]:
+    """The order tasks run in, so that a run stopped early is still a stratified sample: within a level
+    the strata take turns (each in name order), and the levels are merged by position, a task at the
+    k-th of n places of its level going at (k + 0.5) / n of the run."""
+    levels: dict[str, dict[str, list[str]]] = {}
+    for name in sorted(names):
+        where = describe(name)
+        level, part = (str(where["level"]), where["stratum"]) if where else ("other", "other")
+        levels.setdefault(level, {}).setdefault(part, []).append(name)
+    placed = []
+    for strata in levels.values():
+        queues = [list(q) for _, q in sorted(strata.items())]
+        turns = []
+        while any(queues):
+            turns.extend(q.pop(0) for q in queues if q)
+        placed.extend(((k + 0.5) / len(turns), name) for k, name in enumerate(turns))
+    return [name for _, name in sorted(placed)]
 
 
 def _manifest_seed(folder: Path) -> int | None:

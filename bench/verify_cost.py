@@ -65,6 +65,7 @@ def one_run(tree: Path, args: argparse.Namespace) -> dict:
         "candidate_ms": report.get("candidate_ms"),
         "baseline_ms": report.get("baseline_ms"),
         "message": report.get("message", "")[:300],
+        "phase_s": report.get("phase_s"),
     }
 
 
@@ -130,6 +131,13 @@ def main() -> None:
             f"| {name} | {s['median_s']:.1f} | {s['min_s']:.1f} | {s['max_s']:.1f} | {verdicts} | {speedups} |"
         )
     lines.append(f"\nOverhead of this version over the base (medians): {overhead * 100:+.1f} %.")
+    phases = [r["phase_s"] for r in runs["this"] if r.get("phase_s")]
+    if phases:
+        names = list(phases[0])
+        medians = {n: statistics.median(p.get(n, 0.0) for p in phases) for n in names}
+        lines.append(
+            "\nThis version's phases (median s): " + ", ".join(f"{n} {v:.1f}" for n, v in medians.items())
+        )
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -439,6 +439,11 @@ class Golden:
     def op_class(self) -> str:
         return op_class(self.meta["reference_ops"])
 
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of the saved inputs and weights (what every child loads)."""
+        return sum((self.path / name).stat().st_size for name in ("inputs.pt", "state_dict.pt"))
+
     def cleanup(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 

@@ -1101,6 +1101,9 @@ def compile_baseline(
 #: that moves a median) escapes 12 secret samples with probability 2**-12.
 JUDGED_CALLS = 12
 JUDGED_ELEMENTS = 65536  # elements judged of each tensor of a judged timed call, at most
+#: Inputs and weights up to this size let the timing's processes start while the candidate is still
+#: being verified (:func:`start_benchmark`); larger ones would be held by three processes at once.
+OVERLAP_INPUT_BYTES = 1 << 30
 
 
 def benchmark(
@@ -1133,10 +1136,38 @@ def benchmark(
     ``get_inputs()`` under ``seed``. With ``hotspots`` the reference's process then ranks the
     reference's kernels (:func:`kernelcrew.tools.harness.profile_reference`, under ``"profile"``).
     """
-    import secrets
+    with start_benchmark(
+        task_source,
+        candidates,
+        device=device,
+        precision=precision,
+        seed=seed,
+        compile_modes=compile_modes,
+        quick=quick,
+        golden=golden,
+        task_path=task_path,
+        settings=settings,
+    ) as pending:
+        return pending.result(sample_outputs=sample_outputs, hotspots=hotspots)
 
-    from kernelcrew.tools.correctness import op_class
-    from kernelcrew.tools.sandbox import ChannelError
+
+def start_benchmark(
+    task_source: str,
+    candidates: dict[str, tuple[str, str]],
+    *,
+    device: str = "cpu",
+    precision: str = "strict",
+    seed: int | None = None,
+    compile_modes: Sequence[str] = (),
+    quick: bool = False,
+    golden: Golden | None = None,
+    task_path: str = "task.py",
+    settings: Settings | None = None,
+) -> PendingBenchmark:
+    """Start the two processes of :func:`benchmark` and return at once: they load the task, build
+    the candidates and compile the baselines while the caller does other work (verification, say).
+    ``result()`` then times; leaving the ``with`` block (or ``close()``) ends them either way."""
+    import secrets
 
     if golden is not None:
         device, precision, seed = golden.device, golden.precision, golden.seed
@@ -1152,12 +1183,44 @@ def benchmark(
     if golden is not None:
         # Time on the seed sets of the task's main shape (the test sets are for correctness).
         payload["set_indices"] = [r["index"] for r in golden.meta["sets"] if r["origin"] == "seed"][:4]
-    with _Sides(task_source, candidates, payload, compile_modes, golden, settings) as sides:
-        failure = sides.start()
+    sides = _Sides(task_source, candidates, payload, compile_modes, golden, settings)
+    try:
+        launched = sides.launch()
+    except BaseException:
+        sides.close()
+        raise
+    return PendingBenchmark(sides, launched)
+
+
+class PendingBenchmark:
+    """A benchmark whose processes are loading (:func:`start_benchmark`)."""
+
+    def __init__(self, sides: _Sides, launch_failure: TimingFailure | None) -> None:
+        self.sides = sides
+        self.launch_failure = launch_failure
+
+    def __enter__(self) -> PendingBenchmark:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sides.close()
+
+    def result(self, *, sample_outputs: int = JUDGED_CALLS, hotspots: bool = False) -> BenchmarkResult:
+        """Wait for both processes, time, judge the sampled timed calls; see :func:`benchmark`."""
+        from kernelcrew.tools.correctness import op_class
+        from kernelcrew.tools.sandbox import ChannelError
+
+        sides = self.sides
+        payload, golden, candidates = sides.payload, sides.golden, sides.candidates
+        device, precision, seed = payload["device"], payload["precision"], payload["seed"]
+        failure = self.launch_failure or sides.wait_ready()
         if failure is not None:
             return BenchmarkResult(failure=failure, seed=seed)
         ref_info, cand_info = sides.infos
-        config = TimingConfig.quick() if quick else TimingConfig()
+        config = TimingConfig.quick() if payload["quick"] else TimingConfig()
         try:
             stats = run_rounds(
                 sides.lanes,
@@ -1178,7 +1241,7 @@ def benchmark(
                 profile = sides.reference.request({"op": "profile"})
         except ChannelError as exc:  # a side that broke explains itself in its record
             return BenchmarkResult(failure=sides.failure(exc), seed=seed)
-        closing = sides.close()
+        closing = sides.finish()
         if closing is not None:
             return BenchmarkResult(failure=closing, seed=seed)
         result = BenchmarkResult.model_validate(
@@ -1269,10 +1332,8 @@ class _Sides:
         self.lanes: list[RemoteLane] = []
         self.infos: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
 
-    def __enter__(self) -> _Sides:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """End both processes, whatever state they are in, and remove their folders."""
         import shutil
 
         for session in (self.reference, self.candidate):
@@ -1281,8 +1342,8 @@ class _Sides:
         shutil.rmtree(self.ref_dir, ignore_errors=True)
         shutil.rmtree(self.cand_dir, ignore_errors=True)
 
-    def start(self) -> TimingFailure | None:
-        """Start both processes (they load, compile and build at the same time) and wait for both."""
+    def launch(self) -> TimingFailure | None:
+        """Start both processes; they load, compile and build at the same time, without waiting."""
         from kernelcrew.tools import sandbox
         from kernelcrew.tools.build import cache_dirs
         from kernelcrew.tools.correctness import child_env, share_inputs
@@ -1321,6 +1382,12 @@ class _Sides:
         if isinstance(started, sandbox.SandboxResult):
             return _side_failure("candidates", started)
         self.candidate = started
+        return None
+
+    def wait_ready(self) -> TimingFailure | None:
+        """Wait until both processes are ready to time; the lanes that drive them."""
+        from kernelcrew.tools import sandbox
+
         try:
             ref_info = self.reference.request({"op": "ready"})
             cand_info = self.candidate.request({"op": "ready"}) if self.candidates else {"names": []}
@@ -1343,7 +1410,8 @@ class _Sides:
             return _side_failure(side, session.close())
         return TimingFailure(stage="timing", message=f"timing run failed: {_describe(exc)}")
 
-    def close(self) -> TimingFailure | None:
+    def finish(self) -> TimingFailure | None:
+        """Let both processes end as they should; the failure of the first that did not."""
         for side, session in (("reference", self.reference), ("candidates", self.candidate)):
             result = session.close()
             if not result.ok:

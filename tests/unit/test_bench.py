@@ -433,3 +433,16 @@ def _live_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             alive.append(int(stat.parent.name))
     return alive
+
+
+def test_kernelbench_run_order_keeps_a_partial_run_stratified():
+    from bench.kernelbench import run_order
+
+    names = [f"l1_{i}_Sigmoid" for i in range(20)] + [f"l2_{i}_Gemm_ReLU" for i in range(30)]
+    names += [f"l2_{i}_Conv2d_GroupNorm" for i in range(30, 40)] + [f"l3_{i}_MLP" for i in range(10)]
+    order = run_order(names)
+    assert sorted(order) == sorted(names)
+    first = order[:14]  # a tenth of a run stopped early has every level in about its share
+    assert [sum(n.startswith(f"l{k}_") for n in first) for k in (1, 2, 3)] == [4, 8, 2]
+    level2 = [n for n in order if n.startswith("l2_")][:4]  # the strata of a level take turns
+    assert {"Gemm" in n for n in level2} == {True, False}
