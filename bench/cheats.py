@@ -7,8 +7,8 @@ The rules of "caught" are tests/unit/test_cheats.py's (``Judge.catch``); the hon
 with the right kind (``check_honest``). On cuda every cheat runs (the CPU ones too); on cpu only the
 CPU ones. ``--no-static`` switches the static rules off in the judge (``static_check`` finds nothing),
 to show what the dynamic checks catch by themselves: a cheat that only a static rule stops shows up
-as got through. Tasks are dealt to ``--jobs`` worker processes (each keeps its own goldens), so the
-timed cheats of one worker share the device with the others' work: the speed and baseline verdicts
+as got through. Candidates are handed one at a time to ``--jobs`` worker processes (each keeps the goldens of the
+tasks it met), so the timed cheats of one worker share the device with the others' work: the speed and baseline verdicts
 compare paired ratios within one benchmark, which that load moves together.
 
 Writes ``OUT/NAME.json`` (every cheat: caught, by, how) and ``OUT/NAME.md`` (counts and the table).
@@ -46,44 +46,48 @@ def caught_by(caught: bool, how: str) -> str:
     return "claim not realized"
 
 
-def _work(device: str, no_static: bool, paths: list[str], stop_at: float | None) -> list[dict[str, Any]]:
-    """One worker: judge ``paths`` (cheats and honest controls of the same tasks) with one Judge; none
-    is started after the wall-clock time ``stop_at``."""
+_JUDGE: dict[str, Any] = {}
+
+
+def _start_worker(device: str, no_static: bool) -> None:
+    """A worker process's one Judge (its goldens are reused by the candidates of a task it gets)."""
+    from multiprocessing.util import Finalize
+
     if no_static:
         from kernelcrew.tools import correctness
 
         correctness.static_check = lambda source, path="candidate.py": []
-    from tests.unit.test_cheats import Judge, check_honest, label
+    from tests.unit.test_cheats import Judge
 
-    judge = Judge(device)
-    rows = []
+    _JUDGE["judge"] = judge = Judge(device)
+    Finalize(judge, judge.cleanup, exitpriority=10)
+
+
+def _judge_one(raw: str, stop_at: float | None) -> dict[str, Any]:
+    """One candidate: a cheat caught or not and by what, or an honest control passed or not; none is
+    started after the wall-clock time ``stop_at``."""
+    from tests.unit.test_cheats import check_honest, label
+
+    judge = _JUDGE["judge"]
+    path = Path(raw)
+    started = time.monotonic()
+    row: dict[str, Any] = {"name": label(path), "honest": path.parent.name == "honest"}
+    if stop_at is not None and time.time() > stop_at:
+        return {**row, "caught": False, "passed": False, "by": "not run", "how": "out of time", "wall_s": 0}
     try:
-        for raw in paths:
-            path = Path(raw)
-            started = time.monotonic()
-            row: dict[str, Any] = {"name": label(path), "honest": path.parent.name == "honest"}
-            if stop_at is not None and time.time() > stop_at:
-                rows.append({**row, "caught": False, "passed": False, "by": "not run", "how": "out of time"})
-                continue
-            try:
-                if row["honest"]:
-                    check_honest(judge, path)
-                    row.update(passed=True, how="passed with the right kind")
-                else:
-                    caught, how = judge.catch(path)
-                    row.update(caught=caught, by=caught_by(caught, how), how=how[:400])
-            except AssertionError as exc:  # an honest control that did not pass
-                row.update(passed=False, how=str(exc)[:400])
-            except Exception as exc:  # the judge itself broke: reported, never counted as caught
-                row.update(
-                    caught=False, passed=False, by="judge error", how=f"{type(exc).__name__}: {exc}"[:400]
-                )
-            row["wall_s"] = round(time.monotonic() - started, 1)
-            print(f"{row['name']}: {row.get('by', row.get('passed'))} ({row['wall_s']} s)", flush=True)
-            rows.append(row)
-    finally:
-        judge.cleanup()
-    return rows
+        if row["honest"]:
+            check_honest(judge, path)
+            row.update(passed=True, how="passed with the right kind")
+        else:
+            caught, how = judge.catch(path)
+            row.update(caught=caught, by=caught_by(caught, how), how=how[:400])
+    except AssertionError as exc:  # an honest control that did not pass
+        row.update(passed=False, how=str(exc)[:400])
+    except Exception as exc:  # the judge itself broke: reported, never counted as caught
+        row.update(caught=False, passed=False, by="judge error", how=f"{type(exc).__name__}: {exc}"[:400])
+    row["wall_s"] = round(time.monotonic() - started, 1)
+    print(f"{row['name']}: {row.get('by', row.get('passed'))} ({row['wall_s']} s)", flush=True)
+    return row
 
 
 def main() -> None:
@@ -105,18 +109,19 @@ def main() -> None:
 
     devices = None if args.device == "cuda" else args.device
     files = cheat_files(devices) + honest_files(devices)
+    # A task's candidates in a row, slowest tasks first, handed out one at a time: a worker that
+    # takes the next candidate of a task it has seen reuses that task's golden.
     by_task: dict[str, list[str]] = {}
     for path in files:
         by_task.setdefault(cheat_meta(path)["TASK"], []).append(str(path))
-    # Largest groups first, each to the worker with the least so far.
-    shards: list[list[str]] = [[] for _ in range(max(1, args.jobs))]
-    for _task, group in sorted(by_task.items(), key=lambda kv: -len(kv[1])):
-        min(shards, key=len).extend(group)
+    queue = [p for _task, group in sorted(by_task.items(), key=lambda kv: -len(kv[1])) for p in group]
     started = time.monotonic()
     stop_at = None if args.wall_limit is None else time.time() + args.wall_limit
-    with ProcessPoolExecutor(len(shards)) as pool:
-        futures = [pool.submit(_work, args.device, args.no_static, s, stop_at) for s in shards if s]
-        rows = sorted((row for f in futures for row in f.result()), key=lambda r: r["name"])
+    with ProcessPoolExecutor(
+        max(1, args.jobs), initializer=_start_worker, initargs=(args.device, args.no_static)
+    ) as pool:
+        futures = [pool.submit(_judge_one, p, stop_at) for p in queue]
+        rows = sorted((f.result() for f in futures), key=lambda r: r["name"])
     cheats = [r for r in rows if not r["honest"]]
     honest = [r for r in rows if r["honest"]]
     counts = Counter(r["by"] for r in cheats)
