@@ -6,8 +6,9 @@ bound of its 95% interval above 1) and it beats the best so far by more than the
 timings. On a CPU, interpreter timings never drive a decision: the first verified candidate is
 kept, an own kernel preferred over a library or compiler one, and its timings are labelled CPU.
 
-A run that stops without a best, although the baseline measured torch.compile faster than eager,
-ends with the compiler candidate (``fall_back``), verified and timed like any step. ``finish``
+When the baseline measured torch.compile faster than eager, the compiler candidate is verified and
+timed first (``fall_back``, like any step), so the run has an answer whatever the budget allows
+later; a run that stops without a best (that first attempt did not fit) tries it again at the end. ``finish``
 runs the final report with what the budget still affords and says in it what the budget covered
 and what the answer is (a candidate, the compiler's, or the reference itself).
 """
@@ -137,7 +138,8 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     as the answer if it passes and (on a GPU) is timed faster than eager again.
 
     A step that already verified it is not verified again (its timing stands until the final
-    one). It runs when its expected time ends inside the budget plus the run's tolerance
+    one). First (insurance) it runs when its expected time and the final report's share fit the
+    budget; at the end of a run, when it ends inside the budget plus the run's tolerance
     (``GRACE``); otherwise the report says why it did not.
     """
     from kernelcrew.agents.playbook.compiler import generate_compiled
@@ -156,7 +158,11 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     )
     expected = 0.0 if prior else modelled_seconds(state, step)
     note: dict[str, Any] = {"strategy": step.strategy, "mode": mode, "why": step.rationale}
-    if used + expected > opts.time_budget_s * (1 + GRACE):
+    # First, as insurance, it must fit the budget like a step; at the end it may use the tolerance.
+    limit = (
+        opts.time_budget_s * (1 + GRACE) if state.stop_reason else opts.time_budget_s - final_reserve_s(state)
+    )
+    if used + expected > limit:
         note["skipped"] = (
             f"not verified: it would take about {expected:.0f} s and the run has used {used:.0f} s "
             f"of its {opts.time_budget_s:g} s budget"

@@ -1,5 +1,9 @@
-"""The crew's workflow: profile_baseline -> plan -> code -> verify -> profile -> decide -> plan | finalize
-(through fall_back when the run has no answer but the baseline measured one)."""
+"""The crew's workflow: profile_baseline -> plan -> code -> verify -> profile -> decide -> plan | finalize.
+
+When the baseline measured torch.compile faster than eager, its candidate is verified first
+(fall_back, the run's insurance: whatever the budget allows later, the run has an answer) and the
+steps that follow must beat it; a run that ends without an answer goes through fall_back again
+only when that first attempt did not fit."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from langgraph.graph import END, START, StateGraph
 from kernelcrew.agents.coder import code
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.decide import decide, fall_back, finish, route_after_decide
-from kernelcrew.agents.planner import plan
+from kernelcrew.agents.planner import fallback_step, plan
 from kernelcrew.agents.profiler import profile, profile_baseline
 from kernelcrew.agents.state import CrewState
 from kernelcrew.agents.verifier import route_after_verify, verify
@@ -42,6 +46,17 @@ def route_after_code(state: CrewState) -> Literal["verify", "decide"]:
     return "decide" if state.draft.stage == "code" else "verify"
 
 
+def route_after_baseline(state: CrewState) -> Literal["fall_back", "plan"]:
+    """The compiler's measured win first, when there is one (see the module docstring)."""
+    return "fall_back" if fallback_step(state) is not None else "plan"
+
+
+def route_after_fall_back(state: CrewState) -> Literal["plan", "finalize"]:
+    """Steps follow the first fallback (unless it used the last one); the one at the end of a run
+    finalizes."""
+    return "finalize" if state.stop_reason or state.steps_used >= state.options.max_iters else "plan"
+
+
 def build_graph() -> StateGraph:
     """The uncompiled builder: callers compile it with their own checkpointer."""
     builder = StateGraph(CrewState, context_schema=CrewContext)
@@ -55,13 +70,13 @@ def build_graph() -> StateGraph:
     builder.add_node("finalize", finish)
 
     builder.add_edge(START, "profile_baseline")
-    builder.add_edge("profile_baseline", "plan")
+    builder.add_conditional_edges("profile_baseline", route_after_baseline)
     builder.add_conditional_edges("plan", route_after_plan)
     builder.add_conditional_edges("code", route_after_code)
     builder.add_conditional_edges("verify", route_after_verify)
     builder.add_edge("profile", "decide")
     builder.add_conditional_edges("decide", route_after_decide)
-    builder.add_edge("fall_back", "finalize")
+    builder.add_conditional_edges("fall_back", route_after_fall_back)
     builder.add_edge("finalize", END)
     return builder
 

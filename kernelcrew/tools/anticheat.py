@@ -1046,15 +1046,25 @@ def _install_atexit_recorder() -> None:
 
 
 #: The classes among :func:`_namespaces` (an added attribute overrides an inherited one).
-CLASS_NAMESPACES = frozenset({"torch.Tensor", "torch._C.TensorBase", "torch.nn.Module"})
+CLASS_NAMESPACES = frozenset(
+    {"torch.Tensor", "torch._C.TensorBase", "torch.nn.Module", "torch.UntypedStorage"}
+)
 
 
 def _namespaces() -> dict[str, Any]:
     """Namespaces whose every entry is compared by identity: a replaced Tensor or Module method, torch
-    function or builtin changes what the judge and the reference run."""
+    function or builtin changes what the judge and the reference run; a replaced function of the
+    modules the harness saves, sends and times with (serialization, pickle, files, clocks) changes
+    what the judge is told."""
     import builtins
+    import io
+    import json
+    import os
+    import pickle
+    import time
 
     import torch
+    import torch.serialization
 
     return {
         "torch.Tensor": vars(torch.Tensor),
@@ -1063,6 +1073,13 @@ def _namespaces() -> dict[str, Any]:
         "torch": vars(torch),
         "torch.nn.functional": vars(torch.nn.functional),
         "builtins": vars(builtins),
+        "torch.serialization": vars(torch.serialization),
+        "torch.UntypedStorage": vars(torch.UntypedStorage),
+        "pickle": vars(pickle),
+        "io": vars(io),
+        "os": vars(os),
+        "json": vars(json),
+        "time": vars(time),
     }
 
 

@@ -109,6 +109,12 @@ _SLEEP_CALIBRATION_CYCLES = 2_000_000
 _SYNC_GAP_SAMPLES = 20  # idle synchronizations that calibrate the device-wide span
 _OFF_STREAM_ABS_MS = 0.005  # a span this much longer than the events (and
 _OFF_STREAM_REL = 0.05  # this share of them) means work the events did not see
+#: The parent's own clock bounds what a process may report: a callable whose reps the parent saw
+#: last longer (less the trusted process's overhead per request) than this multiple of the time
+#: reported, plus _CLOCK_SLACK_MS and three times the spread of that overhead, was timed by a
+#: clock that lies (a candidate's process can patch its own timers).
+_CLOCK_TRUST_FACTOR = 2.0
+_CLOCK_SLACK_MS = 0.2
 _FRESH_SPREAD = 0.25  # fresh data: each element scaled by a factor in [1 - this, 1 + this]
 _FRESH_PROBE = 4096  # elements looked at to tell a mask or labels from data
 _FRESH_FEW_VALUES = 16  # at most this many distinct values: a mask or labels, kept as is
@@ -574,14 +580,18 @@ class Lane:
         rep = self.timer.time_call(self.callables[name], inputs, lead_us, again)
         del inputs, again
         self.last[name] = rep.out
-        if self.check_call is not None:
-            self.check_call(name, rep.out)
         return {
             "clock_ms": rep.clock_ms,
             "wall_ms": rep.wall_ms,
             "host_ms": rep.host_ms,
             "span_ms": rep.span_ms,
         }
+
+    def check(self, name: str) -> None:
+        """The checks of ``name``'s last call (``check_call``), asked for apart from the rep, so the
+        parent's clock around a rep sees the same work in every process (:func:`untrusted_clocks`)."""
+        if self.check_call is not None and name in self.last:
+            self.check_call(name, self.last[name])
 
     def keep(self, name: str, key: str, pick: int | None) -> None:
         """Keep what is judged of ``name``'s last output (:func:`pick_elements`) under ``key``."""
@@ -623,6 +633,9 @@ class Lane:
             return self.warm_up(message["name"], float(message["budget_s"]))
         if op == "rep":
             return self.rep(message["name"], int(message["set"]), message["seed"], float(message["lead_us"]))
+        if op == "check":
+            self.check(message["name"])
+            return {}
         if op == "capture_graphs":
             return {"failure": self.capture_graphs()}
         if op == "graph_host_ms":
@@ -661,6 +674,9 @@ class RemoteLane:
 
     def rep(self, name: str, set_index: int, seed: int | None, lead_us: float) -> dict[str, Any]:
         return self._ask("rep", name=name, set=set_index, seed=seed, lead_us=lead_us)
+
+    def check(self, name: str) -> None:
+        self._ask("check", name=name)
 
     def keep(self, name: str, key: str, pick: int | None) -> None:
         self._keep.append((key, name, pick))  # sent with the next request, after the rep it is about
@@ -818,8 +834,13 @@ def run_rounds(
     sample_names: Sequence[str] | None = None,
     on_sample: Callable[[str, str, int], None] | None = None,
     seeded: bool = True,
+    trusted: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Warm up, then time every callable of every lane in interleaved rounds (module docstring).
+
+    With ``trusted`` (the callables of a process that runs no candidate code), every other
+    callable's reported times are checked against this process's own clock around each request
+    (:func:`untrusted_clocks`); ``stats["clock_lies"]`` names those that fail.
 
     Each round picks an input set and, with ``seeded``, a fresh-data seed from a secret random
     source; every callable of the round gets the same. ``sample_outputs`` reps of each callable in
@@ -866,6 +887,7 @@ def run_rounds(
     span_ms: dict[str, list[float]] = {name: [] for name in names}
     wall_ms: dict[str, list[float]] = {name: [] for name in names}
     host_ms: dict[str, list[float]] = {name: [] for name in names}
+    seen_ms: dict[str, list[float]] = {name: [] for name in names}  # by this process's clock
     leads_used: dict[str, list[float]] = {name: [] for name in names}
     lead_short: dict[str, int] = dict.fromkeys(names, 0)
     rounds = 0
@@ -876,7 +898,10 @@ def run_rounds(
         set_index = rounds % n_sets
         seed = secret.randrange(2**62) if seeded else None
         for name in order:
+            asked = time.perf_counter()
             rep = owner[name].rep(name, set_index, seed, lead_us[name])
+            seen_ms[name].append((time.perf_counter() - asked) * 1e3)
+            owner[name].check(name)
             clock_ms[name].append(float(rep["clock_ms"]))
             span_ms[name].append(float(rep["span_ms"] if rep.get("span_ms") is not None else rep["clock_ms"]))
             wall_ms[name].append(float(rep["wall_ms"]))
@@ -922,9 +947,14 @@ def run_rounds(
             clock_ms[name] = span_ms[name]
     clock_arr = {name: np.asarray(clock_ms[name]) for name in names}
     wall_arr = {name: np.asarray(wall_ms[name]) for name in names}
-    graph_arr, graph_info = _graph_phase(
+    lies = untrusted_clocks(seen_ms, clock_ms, trusted)
+    graph_arr, graph_info, graph_seen = _graph_phase(
         lanes, owner, is_cuda, config, order_rng, clock_arr, started, floor_rounds
     )
+    if graph_info["used"]:
+        claimed = {n: [ms * graph_info["replays"][n] for ms in graph_arr[n]] for n in graph_arr}
+        for name, message in untrusted_clocks(graph_seen, claimed, trusted).items():
+            lies.setdefault(name, f"CUDA graph replays: {message}")
     if graph_info["used"]:
         for name in judged:
             pick = secret.randrange(2**62)
@@ -983,7 +1013,40 @@ def run_rounds(
         "stop_reason": stop_reason,
         "elapsed_s": time.perf_counter() - started,
         "samples_taken": {k: list(v) for k, v in taken.items()},
+        "clock_lies": lies,
     }
+
+
+def untrusted_clocks(
+    seen_ms: dict[str, Sequence[float]], clock_ms: dict[str, Sequence[float]], trusted: Sequence[str]
+) -> dict[str, str]:
+    """Callables whose reported times this process's clock contradicts, with why.
+
+    ``seen_ms`` are this process's times of each request (the round trip), ``clock_ms`` the times
+    the lane reported for the same requests. The trusted callables' difference of the two is the
+    overhead of a request (fresh data, the channel, the checks); another callable is caught when
+    the parent saw, less that overhead, more than ``_CLOCK_TRUST_FACTOR`` times what it reported
+    plus ``_CLOCK_SLACK_MS`` and three times the overhead's interquartile spread. A lie smaller
+    than that (tens of microseconds on a quiet machine) is below what the parent can see.
+    """
+    base = [s - c for n in trusted if n in seen_ms for s, c in zip(seen_ms[n], clock_ms[n], strict=True)]
+    if not base:
+        return {}
+    overhead = float(np.median(base))
+    q1, q3 = np.percentile(base, [25, 75])
+    slack = _CLOCK_SLACK_MS + 3.0 * float(q3 - q1)
+    lies = {}
+    for name, seen in seen_ms.items():
+        if name in trusted or not len(seen):
+            continue
+        observed = float(np.median(np.asarray(seen) - overhead))
+        reported = float(np.median(clock_ms[name]))
+        if observed > _CLOCK_TRUST_FACTOR * reported + slack:
+            lies[name] = (
+                f"its process reported {reported:.4g} ms per call; this process saw {observed:.4g} ms "
+                f"beyond the reference's {overhead:.4g} ms of overhead per request: its clock is not trusted"
+            )
+    return lies
 
 
 def _is_stable(times: list[float]) -> bool:
@@ -1003,26 +1066,27 @@ def _graph_phase(
     clock_arr: dict[str, np.ndarray],
     started: float,
     floor_rounds: int,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """CUDA-graph replay timings of every callable, or of none; ``(times per name, info)``.
+) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, list[float]]]:
+    """CUDA-graph replay timings of every callable, or of none; ``(times per name, info, this
+    process's time of each request)``.
 
     Each graph's static output is kept for judging (``graph:NAME``, input set 0)."""
     info: dict[str, Any] = {"used": False, "reason": "", "replays": {}, "lead_us": {}, "rounds": 0}
     if not is_cuda:
         info["reason"] = "CPU: no CUDA graphs"
-        return {}, info
+        return {}, info, {}
     medians_us = {name: float(np.median(times)) * 1e3 for name, times in clock_arr.items()}
     fastest = min(medians_us, key=medians_us.__getitem__)
     if medians_us[fastest] >= config.graph_threshold_us:
         info["reason"] = f"every callable's median is at least {config.graph_threshold_us:g} us"
-        return {}, info
+        return {}, info, {}
     for lane in lanes:
         failure = lane.capture_graphs()
         if failure:
             for other in lanes:
                 other.drop_graphs()
             info["reason"] = failure
-            return {}, info
+            return {}, info, {}
 
     replays = {
         name: int(
@@ -1033,12 +1097,15 @@ def _graph_phase(
     leads = {name: lead_for([owner[name].graph_host_ms(name, replays[name])]) for name in owner}
     max_rounds = min(_GRAPH_MAX_ROUNDS, max(config.min_reps, floor_rounds))
     times: dict[str, list[float]] = {name: [] for name in owner}
+    seen: dict[str, list[float]] = {name: [] for name in owner}
     rounds = 0
     while rounds < max_rounds:
         order = list(owner)
         rng.shuffle(order)
         for name in order:
+            asked = time.perf_counter()
             times[name].append(owner[name].graph_rep(name, replays[name], leads[name]))
+            seen[name].append((time.perf_counter() - asked) * 1e3)
         rounds += 1
         if rounds >= floor_rounds and time.perf_counter() - started >= config.max_time_s:
             break
@@ -1052,7 +1119,7 @@ def _graph_phase(
         lead_us=leads if all(lane.info()["lead_kernel"] for lane in lanes) else {},
         rounds=rounds,
     )
-    return {name: np.asarray(t) for name, t in times.items()}, info
+    return {name: np.asarray(t) for name, t in times.items()}, info, seen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1231,8 +1298,10 @@ class PendingBenchmark:
                 sample_outputs=sample_outputs,
                 sample_names=list(candidates),
                 seeded=True,
+                trusted=ref_info["names"],
             )
             judged = dict(stats.pop("samples_taken"))
+            lies = stats.pop("clock_lies")
             kinds = _profiled_kinds(sides, stats, device, candidates)
             profile = None
             if judged:
@@ -1257,6 +1326,10 @@ class PendingBenchmark:
                 **({"profile": profile} if profile is not None else {}),
             }
         )
+        if lies:
+            name, message = next(iter(lies.items()))
+            result.failure = TimingFailure(stage="timing", message=f"{name}: {message}")
+            return result
         if judged:
             cls = golden.op_class if golden is not None else op_class(ref_info["reference_ops"])
             checked, failure = sides.judge(judged, cls, precision)
@@ -1424,14 +1497,17 @@ class _Sides:
 
         samples_path = self.cand_dir / "child" / "samples.pt"
         goldens_path = self.ref_dir / "child" / "judged.pt"
-        samples = torch.load(samples_path, weights_only=True) if samples_path.exists() else {}
+        try:
+            samples = torch.load(samples_path, weights_only=True) if samples_path.exists() else {}
+        except Exception as exc:  # the candidates' process wrote it: anything may be in it
+            samples = exc
         goldens = torch.load(goldens_path, weights_only=True)
         checked = 0
         for key, (name, set_index, _seed, _pick) in judged.items():
             where = "its CUDA graph's output" if key.startswith("graph:") else "the output of a timed call"
-            outs, gold = samples.get(key), goldens[key]
-            if outs is None:
-                return checked, TimingFailure(stage="timed_output", message=f"{name}: {where} was not kept")
+            outs, gold = _kept_entry(samples, key), goldens[key]
+            if isinstance(outs, str):
+                return checked, TimingFailure(stage="timed_output", message=f"{name}: {where} {outs}")
             if len(outs) != len(gold["golden"]):
                 return checked, TimingFailure(
                     stage="timed_output",
@@ -1454,6 +1530,22 @@ class _Sides:
                         f"{verdict['message']}",
                     )
         return checked, None
+
+
+def _kept_entry(samples: Any, key: str) -> list[dict[str, Any]] | str:
+    """The kept output ``key`` from the candidates' process's ``samples.pt``, or what is wrong
+    with it: the file is that process's, so its structure is checked before anything is read."""
+    if isinstance(samples, BaseException):
+        return f"could not be read back ({type(samples).__name__})"
+    if not isinstance(samples, dict) or key not in samples:
+        return "was not kept"
+    outs = samples[key]
+    fields = {"shape": list, "dtype": str, "values": torch.Tensor}
+    if not isinstance(outs, list) or not all(
+        isinstance(o, dict) and all(isinstance(o.get(f), t) for f, t in fields.items()) for o in outs
+    ):
+        return "was kept in a form the harness never writes (the file was rewritten)"
+    return outs
 
 
 def _side_failure(side: str, res: Any) -> TimingFailure:

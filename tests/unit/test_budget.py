@@ -240,16 +240,17 @@ def test_nothing_verified_and_no_compile_faster_means_the_reference_is_the_answe
     assert again.elapsed_s >= spent
 
 
-def test_a_run_without_an_answer_returns_the_compiler_candidate_the_baseline_measured_faster(tmp_path):
-    """The baseline measures torch.compile faster than eager; the run's one step fails (the
-    planner's model answers no valid step, twice), so nothing is verified: the compiler candidate
-    is verified, timed and returned (kind compiler), with the reason in the report, not nothing."""
+def test_the_compiler_candidate_the_baseline_measured_faster_is_verified_first(tmp_path):
+    """The baseline measures torch.compile faster than eager: before any step, its candidate is
+    verified, timed and kept (kind compiler), so the run has an answer whatever comes next; the
+    step that follows fails (the planner's model answers no valid step, twice) and the compiler's
+    candidate is the answer, with the reason in the report."""
     budget = 400.0
     chat = ReplayChat(["no json here", "still none"])
-    data, md, wall, _ = optimize(tmp_path, budget, "default", max_iters=1, chat=chat)
+    data, md, wall, _ = optimize(tmp_path, budget, "default", max_iters=2, chat=chat)
     base = data["baseline"]
     assert base["compile_ms"]["default"] < base["eager_ms"], "precondition: the compiler beat eager here"
-    failed, record = data["iterations"]
+    record, failed = data["iterations"]
     assert failed["stage"] == "plan" and failed["verdict"] == "fail"
     assert record["fallback"] and record["strategy"] == "torch_compile" and record["verdict"] == "pass"
     best = data["best"]
