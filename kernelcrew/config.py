@@ -90,7 +90,10 @@ class Settings(BaseSettings):
         8 * 1024 * 1024, description="stdout+stderr before the child is killed."
     )
     sandbox_max_file_bytes: int = Field(
-        16 * 1024**3, description="RLIMIT_FSIZE: largest file a child writes."
+        0,
+        ge=0,
+        description="RLIMIT_FSIZE: largest file a child writes. 0: its folder's size (the golden "
+        "outputs of a task with inputs of many GB are one file larger than any fixed cap).",
     )
 
     bytecode_cache: Literal["auto", "always", "off"] = Field(

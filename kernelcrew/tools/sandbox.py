@@ -210,9 +210,9 @@ class SandboxLimits:
             max_procs=s.sandbox_max_procs,
             max_open_files=s.sandbox_max_open_files,
             max_output_bytes=s.sandbox_max_output_bytes,
-            max_file_bytes=s.sandbox_max_file_bytes,
             disk_bytes=s.sandbox_disk_mb * 1024**2 or machine_memory_limit(),
         )
+        values["max_file_bytes"] = s.sandbox_max_file_bytes or values["disk_bytes"]
         values.update(overrides)
         return cls(**values)
 
@@ -1337,7 +1337,13 @@ class _Child:
                 result.message += (
                     f"; the memory cgroup's limit ({limits.memory_bytes // 1024**2} MiB) was hit"
                 )
-        enospc = "No space left on device" in f"{result.message} {result.output_tail}"
+        said = f"{result.message} {result.output_tail}"
+        if self.boxed and not result.ok and ("File too large" in said or "unexpected pos" in said):
+            result.message = (
+                f"the child wrote a file past its size limit ({limits.max_file_bytes // 1024**2} MiB, "
+                f"KERNELCREW_SANDBOX_MAX_FILE_BYTES): {result.message}"
+            )
+        enospc = "No space left on device" in said
         if self.boxed and not result.ok and (self.disk_full or enospc):
             result.message = (
                 f"the child wrote past its disk limit ({limits.disk_bytes // 1024**2} MiB in its folder, "

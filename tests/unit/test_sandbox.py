@@ -308,3 +308,15 @@ def test_session_child_that_dies_or_forges_is_a_channel_error():
         session.request({"value": 1, "forge": True})
     session.kill("forged a reply")
     assert session.result is not None and not session.result.ok
+
+
+def test_a_childs_largest_file_is_its_folders_size_unless_set():
+    """The golden outputs of a task with inputs of many GB are one file past any fixed cap (16 GiB
+    refused KernelBench tasks on a GPU host): by default only the folder's size bounds a file."""
+    from kernelcrew.config import Settings
+    from kernelcrew.tools.sandbox import SandboxLimits
+
+    default = SandboxLimits.from_settings(Settings(sandbox_disk_mb=40_000))
+    assert default.max_file_bytes == default.disk_bytes == 40_000 * 1024**2
+    capped = SandboxLimits.from_settings(Settings(sandbox_disk_mb=40_000, sandbox_max_file_bytes=1 << 30))
+    assert capped.max_file_bytes == 1 << 30
