@@ -195,10 +195,11 @@ def run_verify(
         }
         candidates = {"candidate": (candidate_source, str(candidate))}
         lap("golden")
-        # The timing's processes load and build while the candidate is verified, unless the inputs
-        # are so large that more processes holding them at once could run out of memory.
+        # On a GPU the timing's processes load and build while the candidate is verified, unless the
+        # inputs are so large that more processes holding them at once could run out of memory. On
+        # the CPU they would only take cores from the verification.
         pending = None
-        if timing and golden.input_bytes <= timing_mod.OVERLAP_INPUT_BYTES:
+        if timing and dev != "cpu" and golden.input_bytes <= timing_mod.OVERLAP_INPUT_BYTES:
             pending = stack.enter_context(timing_mod.start_benchmark(task_source, candidates, **timing_args))
         verdict = verify_candidate(
             task_source,

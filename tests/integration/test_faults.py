@@ -188,7 +188,8 @@ def test_redis_restarted_mid_job_loses_nothing(faulty):
     store.start()
     for job_id in (first, second):
         job = finished(svc, job_id)
-        assert job["status"] == "succeeded" and verdict(svc, job_id)["verdict"] == "pass", job
+        assert job["status"] == "succeeded", job
+        assert (result := verdict(svc, job_id))["verdict"] == "pass", result
     assert unverified_wins(svc.engine) == []
 
 
@@ -201,7 +202,8 @@ def test_postgres_restarted_mid_job_loses_nothing(faulty):
     wait_running(svc, job_id)
     cluster.ctl("restart", "-m", "fast")
     job = finished(svc, job_id)
-    assert job["status"] == "succeeded" and verdict(svc, job_id)["verdict"] == "pass", job
+    assert job["status"] == "succeeded", job
+    assert (result := verdict(svc, job_id))["verdict"] == "pass", result
     assert job["attempts"] >= 1
     assert unverified_wins(svc.engine) == []
 
