@@ -6,10 +6,10 @@ Every route declares its answer with one of these (``response_model``) and its r
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kernelcrew.api.kb import KbImported
 
@@ -41,6 +41,7 @@ class ValidationErrors(BaseModel):
 
 #: What each refusal means, shared by every route that can return it.
 ERROR_TEXT: dict[int, str] = {
+    400: "The body cannot be parsed (not UTF-8 JSON).",
     401: "No bearer token, or an unknown or revoked one.",
     403: "The token lacks the scope this route needs.",
     404: "No such job, or it belongs to another user.",
@@ -84,6 +85,15 @@ class Readiness(BaseModel):
 
 # -- jobs ---------------------------------------------------------------------------------------
 
+
+def _utc(value: datetime | None) -> datetime | None:
+    """Timestamps are stored in UTC; a database without time zones (SQLite) returns them naive."""
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+
+
+#: A UTC timestamp, always written with its offset (RFC 3339).
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
+
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 JobMode = Literal["optimize", "verify"]
 
@@ -109,9 +119,9 @@ class JobPublic(BaseModel):
     attempts: int
     cancel_requested: bool
     error: str | None
-    created_at: datetime | None
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime | None
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
 
 
 class JobsPublic(BaseModel):

@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy import func, select
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernelcrew.api.deps import EngineDep, Reader, SessionDep, SettingsDep, Submitter, own_job
 from kernelcrew.api.inputs import shorten
@@ -50,7 +51,10 @@ async def read_job_input(request: Request, s: Settings) -> tuple[str, str | None
         )
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
-        form = await request.form()
+        try:
+            form = await request.form()
+        except StarletteHTTPException as exc:  # Starlette's 400 for a body that is not multipart
+            raise HTTPException(422, f"the multipart body cannot be read: {exc.detail}") from exc
 
         async def field(name: str) -> bytes | str | None:
             value = form.get(name)
@@ -121,12 +125,38 @@ async def check_runnable(options: dict[str, Any], s: Settings) -> None:
         raise HTTPException(409, f"no worker online could run this job: {exc}") from exc
 
 
+#: One event of the stream; ``data`` is the event's JSON (a status change, a plan, a verdict, ...).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["id", "event", "data"],
+    "properties": {
+        "id": {"type": "string", "description": "The event's sequence number (resume after it)."},
+        "event": {"type": "string", "description": "The event's type: status, plan, verify, ..."},
+        "data": {"type": "string", "description": "The event as JSON."},
+    },
+}
+
 JOB_BODY = {
     "requestBody": {
         "required": True,
         "content": {
             "application/json": {"schema": JobCreate.model_json_schema()},
-            "multipart/form-data": {"schema": {"type": "object"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["task"],
+                    "properties": {
+                        "task": {"type": "string", "format": "binary", "description": "The task file."},
+                        "candidate": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "A ModelNew file.",
+                        },
+                        "mode": {"type": "string", "enum": list(jobs.MODES)},
+                        "options": {"type": "string", "description": "The job options as a JSON object."},
+                    },
+                }
+            },
         },
     }
 }
@@ -228,7 +258,7 @@ def read_job_result(job_id: str, who: Reader, session: SessionDep) -> JobResultP
     responses={
         200: {
             "description": "Server-Sent Events (`id` = sequence number, `event` = type, `data` = JSON).",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"text/event-stream": {"schema": SSE_EVENT}},
         },
         **errors(*AUTH_ERRORS, 404),
     },
@@ -260,6 +290,7 @@ def job_events(
     response_model=JobPublic,
     responses=errors(
         *AUTH_ERRORS,
+        400,
         404,
         409,
         e409="The job takes no messages: a verify job, or a cancelled one.",
