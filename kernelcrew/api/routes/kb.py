@@ -77,7 +77,8 @@ async def import_kb(
     if visibility == "public" and "admin" not in who.scopes:
         raise HTTPException(403, "importing public records needs the 'admin' scope")
     limit = settings.api_max_kb_import_bytes
-    if int(request.headers.get("content-length") or 0) > limit:
+    length = request.headers.get("content-length") or "0"
+    if length.isdigit() and int(length) > limit:
         raise HTTPException(413, f"an import file is at most {limit} bytes")
     raw = bytearray()
     async for chunk in request.stream():
