@@ -329,3 +329,17 @@ def test_an_unknown_job_status_filter_is_a_422_naming_the_statuses(api):
     refused(api.client.get(f"{PREFIX}/jobs", params={"status": "done"}), 422, "status", "succeeded")
     r = api.client.get(f"{PREFIX}/jobs", params={"status": "running"})
     assert r.status_code == 200 and [j["id"] for j in r.json()["items"]] == [api.job_id]
+
+
+def test_a_body_that_is_not_multipart_is_a_422_naming_it(api):
+    """Starlette answers such a body with a 400 the OpenAPI document did not list."""
+    headers = {"content-type": "multipart/form-data; boundary=b0undary"}
+    r = api.client.post(f"{PREFIX}/jobs", content=b"--b0undary\r\n-5.7e16--b0undary--\r\n", headers=headers)
+    refused(r, 422, "multipart")
+    assert api.count(jobs.Job) == 1
+
+
+def test_timestamps_are_written_with_their_utc_offset(api):
+    """SQLite returns naive datetimes; an RFC 3339 date-time needs its offset."""
+    job = api.client.get(f"{PREFIX}/jobs/{api.job_id}").json()
+    assert job["created_at"].endswith(("+00:00", "Z")), job["created_at"]
