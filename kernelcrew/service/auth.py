@@ -7,6 +7,7 @@ check found and answers whether it may act with a scope (``admin`` may do anythi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -23,4 +24,15 @@ class Principal:
         return scope in self.scopes or "admin" in self.scopes
 
 
-__all__ = ["Principal"]
+def principal_for_token(session: Any, token: str) -> Principal | None:
+    """The principal of a live ``token``, or None when it is unknown or revoked."""
+    from kernelcrew.service import jobs
+
+    found = jobs.authenticate(session, token)
+    if found is None:
+        return None
+    tok, user = found
+    return Principal(user.id, user.name, user.team, tok.id, list(tok.scopes))
+
+
+__all__ = ["Principal", "principal_for_token"]

@@ -178,15 +178,21 @@ def enqueue_job(
 
 
 def add_message(session: Any, job: jobs.Job, text: str, user: str) -> None:
-    """A chat message: a running job takes it at its next plan; an ended optimize job is queued again.
+    """A chat message: a queued or running optimize job takes it at its next plan; a succeeded or
+    failed one is queued again and resumes with it.
 
-    422 for a message with a NUL byte (no text column stores one), before anything is written.
+    Refused before anything is written: 422 for a NUL byte (no text column stores one); 409 for a
+    verify job (it has no crew to read it) and for a cancelled job (cancelled means stopped).
     """
     if "\x00" in text:
         raise HTTPException(422, "the message contains a NUL byte (\\x00)")
+    if job.mode != "optimize":
+        raise HTTPException(409, f"job {job.id} is a {job.mode} job: it has no crew to take a message")
+    if job.status == "cancelled":
+        raise HTTPException(409, f"job {job.id} was cancelled: a message does not restart it")
     session.add(jobs.JobMessage(job_id=job.id, text=text, created_at=jobs.now()))
     jobs.add_event(session, job.id, "message", {"text": text, "user": user})
-    if job.status in ("succeeded", "failed") and job.mode == "optimize":
+    if job.status in ("succeeded", "failed"):
         job.status = "queued"
         job.cancel_requested = False
         job.finished_at = None

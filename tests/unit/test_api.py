@@ -16,7 +16,10 @@ TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()
 
 @pytest.fixture
 def api(tmp_path):
-    s = Settings(data_dir=tmp_path, api_rate_per_minute=8, api_max_active_jobs=1)
+    # No broker: the worker inventory cannot tell, so jobs are accepted whatever their device.
+    s = Settings(
+        data_dir=tmp_path, broker_url="redis://127.0.0.1:1/0", api_rate_per_minute=8, api_max_active_jobs=1
+    )
     with transaction(get_engine(s)) as session:
         token = jobs.create_token(session, "ann", ["submit", "read"])[1]
     client = TestClient(create_app(s))

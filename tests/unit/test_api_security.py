@@ -1,4 +1,4 @@
-"""The API's doors: authorization on every route, upload limits, and a schemathesis run with no 5xx.
+"""The API's doors: authorization on every route, upload limits and knowledge-base imports.
 
 In-process (FastAPI's test client) on SQLite, no orchestrator: jobs stay queued. The route table
 below must name every route under ``/api/v1``; a route added without an entry fails
@@ -12,11 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import schemathesis
-from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
 
 from kernelcrew.api.app import PREFIX, create_app
 from kernelcrew.config import Settings
@@ -138,11 +134,12 @@ def api(tmp_path_factory) -> Iterator[Api]:
 
 
 def test_every_api_route_is_in_the_table(api):
+    """Read from the OpenAPI document: included routers are not flat in ``app.routes``."""
     served = {
-        (method, route.path)
-        for route in api.client.app.routes
-        if isinstance(route, APIRoute) and route.path.startswith(PREFIX)
-        for method in route.methods
+        (method.upper(), path)
+        for path, operations in api.client.app.openapi()["paths"].items()
+        if path.startswith(PREFIX)
+        for method in operations
     }
     assert served == set(ROUTES)
 
@@ -280,23 +277,3 @@ def test_public_imports_need_the_admin_scope(api):
     r = import_kb(api, kb_file(strategy="import_public"), visibility="public")
     assert r.status_code == 403 and "admin" in r.json()["detail"]
     assert kb_records(api) == before
-
-
-# -- schemathesis -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def api_schema(api):
-    schema = schemathesis.openapi.from_asgi("/openapi.json", api.client.app)
-    schema.config.update(headers={"authorization": f"Bearer {api.tokens['alice']}"})
-    return schema
-
-
-schema = schemathesis.pytest.from_fixture("api_schema")
-
-
-@schema.parametrize()
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_request_the_schema_allows_gets_a_server_error(case):
-    """Generated requests (authenticated with a real token) never get a 5xx."""
-    case.call_and_validate(checks=[not_a_server_error])
