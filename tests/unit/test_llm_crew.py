@@ -224,3 +224,36 @@ def test_prompts_carry_device_facts_history_and_are_capped() -> None:
     assert "load_inline" in system and "Triton" in system
     assert '"language": "cuda"' in user and "only use tensor cores" in user and "sm_90" in user
     assert len(system + user) < 80_000 and "characters of base source left out" in user
+
+
+def test_cli_replays_a_recording_and_records_what_it_played(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from kernelcrew.cli import app
+    from kernelcrew.config import get_settings
+
+    recording = tmp_path / "recording"
+    recording.mkdir()
+    usage = {"input_tokens": 10, "output_tokens": 5, "cost_usd": 0.001}
+    for n, text in enumerate([json.dumps(PLAN), code_reply(GOOD)], start=1):
+        entry = {"call": n, "reply": {"text": text, "usage": usage}, "error": None}
+        (recording / f"call-{n:04d}.json").write_text(json.dumps(entry))
+    monkeypatch.setenv("KERNELCREW_DATA_DIR", str(tmp_path / "data"))
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(
+            app,
+            [
+                "optimize", str(POINTWISE), "--device", "cpu", "--max-iters", "1", "--compile-modes", "none",
+                "--quick", "--no-kb", "--out", str(tmp_path / "o"),
+                "--replay", str(recording), "--record", str(tmp_path / "again"),
+            ],
+        )  # fmt: skip
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["iterations"][0]["strategy"] == PLAN["strategy"] and report["best"] is not None
+    assert report["usage"]["calls"] == 2 and report["usage"]["input_tokens"] == 20
+    again = sorted((tmp_path / "again").glob("call-*.json"))
+    assert [json.loads(p.read_text())["reply"]["text"] for p in again] == [json.dumps(PLAN), code_reply(GOOD)]
