@@ -257,3 +257,32 @@ def test_cli_replays_a_recording_and_records_what_it_played(tmp_path, monkeypatc
     assert report["usage"]["calls"] == 2 and report["usage"]["input_tokens"] == 20
     again = sorted((tmp_path / "again").glob("call-*.json"))
     assert [json.loads(p.read_text())["reply"]["text"] for p in again] == [json.dumps(PLAN), code_reply(GOOD)]
+
+
+def test_the_coder_sees_the_knowledge_base_sources(tmp_path) -> None:
+    from kernelcrew.knowledge_base import KnowledgeBase
+
+    kb = KnowledgeBase.open(Settings(data_dir=tmp_path / "data"), owner="alice")
+    marked = GOOD.replace("class ModelNew", "# the recorded win's own line\nclass ModelNew", 1)
+    result = kb.record_win(
+        {
+            "gpu_model": "h100-sxm",
+            "arch": "sm_90",
+            "signature": "tanh(mul(x, 2) + y)",
+            "pattern_kinds": ["pointwise"],
+            "strategy": "fused_pointwise",
+            "candidate_source": marked,
+            "params": {"BLOCK_SIZE": 2048},
+            "description": "tanh(x * 2 + y) as one kernel",
+            "job_id": "job-kb-test",
+        },
+        verdict={"verdict": "pass", "baseline_ms": 1.0, "candidate_ms": 0.5, "clock": "cuda-event"},
+    )
+    hits = [{"id": result.id, "line": "fused_pointwise won 2.0x on h100-sxm"}]
+    step = PlanStep(strategy="custom:x", rationale="r", expected_gain=1.2)
+    chat = ReplayChat([code_reply(GOOD)])
+    _write_with_llm(
+        _facts_state(plan=step, kb_hits=hits), CrewContext(executor=None, chat=chat, kb=kb), repairing=False
+    )
+    user = chat.sent[0][1].content
+    assert "the recorded win's own line" in user and "fused_pointwise won 2.0x on h100-sxm" in user

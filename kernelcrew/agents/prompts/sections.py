@@ -152,7 +152,7 @@ def kb_sources(hits: list[dict[str, Any]], fetch: Callable[[str], dict[str, Any]
         if len(blocks) >= KB_SOURCES:
             break
         record = fetch(hit["id"]) if hit.get("id") else None
-        source = (record or {}).get("source")
+        source = (record or {}).get("candidate_source")
         if not source:
             continue
         blocks.append(
