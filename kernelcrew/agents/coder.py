@@ -143,7 +143,7 @@ def _write_with_llm(
 def _one_sample(messages: list[Any], ctx: CrewContext, unusable: list[str]) -> tuple[str | None, str, bool]:
     """(source or None, why not, whether the provider failed): an unusable reply is metered and
     asked once more."""
-    from kernelcrew.agents.llm import LLMError, Message, extract_code
+    from kernelcrew.agents.llm import LLMError, Message, extract_code, provider_failed
     from kernelcrew.agents.prompts import CODER_RETRY
 
     for attempt in range(2):
@@ -151,7 +151,7 @@ def _one_sample(messages: list[Any], ctx: CrewContext, unusable: list[str]) -> t
             completion = ctx.chat.complete(messages, max_tokens=ctx.max_tokens)
         except LLMError as exc:
             if exc.completion is None:  # no reply at all: nothing to meter or re-ask
-                return None, f"the coder's model failed: {exc}", True
+                return None, f"the coder's model failed: {exc}", provider_failed(exc)
             completion, problem = exc.completion, str(exc)
         else:
             problem = ""

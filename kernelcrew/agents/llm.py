@@ -198,6 +198,20 @@ def _rebuild_llm_error(message: str, kwargs: dict[str, Any]) -> LLMError:
     return LLMError(message, **kwargs)
 
 
+class ReplayExhausted(LLMError):
+    """A replayed run asked for more calls than its recording holds (it diverged from it): a failed
+    call, not a provider failure, so the playbook does not take over."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ReplayExhausted, (str(self),), {"provider": self.provider, "model": self.model})
+
+
+def provider_failed(exc: LLMError) -> bool:
+    """Whether ``exc`` means the provider itself failed (no reply at all: network, key, quota...),
+    after which the playbook takes over; an unusable reply or a replay that ran out is not."""
+    return exc.completion is None and not isinstance(exc, ReplayExhausted)
+
+
 # --- Prices and usage ---------------------------------------------------------------------------------
 
 
@@ -898,7 +912,7 @@ class ReplayChat:
         """The next recorded reply (or the recorded error); LLMError when all were played."""
         self.sent.append([Message(m.role, m.content) for m in messages])
         if self._next >= len(self.entries):
-            raise LLMError(
+            raise ReplayExhausted(
                 f"replay ({self.model}): all {len(self.entries)} recorded responses were used",
                 provider=self.provider,
                 model=self.model,

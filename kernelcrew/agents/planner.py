@@ -413,7 +413,7 @@ PLAN_SCHEMA = {
 
 def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None, str, bool]:
     """(step or None, why not, whether the provider itself failed: no reply at all)."""
-    from kernelcrew.agents.llm import LLMError, Message, OutputSchema, extract_json
+    from kernelcrew.agents.llm import LLMError, Message, OutputSchema, extract_json, provider_failed
     from kernelcrew.agents.prompts import PLANNER_RETRY, render, sections
 
     menu = _menu(state)
@@ -445,9 +445,9 @@ def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None,
         try:
             completion = ctx.chat.complete(messages, schema=schema)
         except LLMError as exc:
-            if exc.completion is None:  # no reply at all: the provider failed
+            if exc.completion is None:  # no reply at all
                 ctx.emit("error", node="plan", message=str(exc))
-                return None, f"the planner's model failed: {exc}", True
+                return None, f"the planner's model failed: {exc}", provider_failed(exc)
             completion, unusable = exc.completion, str(exc)  # empty, refused or cut: as bad JSON
         if ctx.meter is not None:
             ctx.meter.add(completion, "planner")
