@@ -286,3 +286,36 @@ def test_the_coder_sees_the_knowledge_base_sources(tmp_path) -> None:
     )
     user = chat.sent[0][1].content
     assert "the recorded win's own line" in user and "fused_pointwise won 2.0x on h100-sxm" in user
+
+
+def test_every_verified_candidate_s_nsight_compute_evidence_reaches_the_history() -> None:
+    from types import SimpleNamespace
+
+    from kernelcrew.agents.decide import decide
+    from kernelcrew.agents.prompts.sections import history
+
+    ncu = {
+        "available": True,
+        "summary": {
+            "kernels": [
+                {"name": "void tanh_kernel<...>", "short_name": "tanh_kernel", "duration_us": 41.2,
+                 "dram_pct": 88.1, "sm_pct": 20.5, "achieved_occupancy_pct": 71.0, "registers_per_thread": 32},
+            ]
+        },
+    }  # fmt: skip
+    best = Candidate(id="c1", strategy="a", source_kind="kernel", source="x", verdict="pass", time_ms=0.4)
+    slower = Candidate(
+        id="c2", strategy="b", source_kind="kernel", source="y", verdict="pass", time_ms=0.9, ncu=ncu
+    )
+    state = CrewState(
+        task_source="",
+        best=best,
+        draft=slower,
+        plan=PlanStep(strategy="b", rationale="r", expected_gain=1.1),
+        options=Options(device="cuda"),
+    )
+    update = decide(state, SimpleNamespace(context=CrewContext(executor=None)))
+    [record] = update["iterations"]
+    assert not record["new_best"] and "source" not in record and "samples" not in record
+    assert record["ncu_text"] == "ncu: tanh_kernel 41.2us 88.1% DRAM 20.5% SM 71% occupancy 32 regs"
+    assert "88.1% DRAM" in history(update["iterations"])
