@@ -203,7 +203,7 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
         if step_key(s.strategy, s.params) not in tried
         and s.strategy not in prefs["skip"]
         and not (prefs["only_kernels"] and playbook.STRATEGIES[s.strategy].source_kind != "kernel")
-        and not (prefs["no_compiler"] and playbook.STRATEGIES[s.strategy].source_kind == "compiler")
+        and not (prefs.get("no_compiler") and playbook.STRATEGIES[s.strategy].source_kind == "compiler")
     ]
     for wanted in prefs["try"]:
         for s in menu:

@@ -74,10 +74,10 @@ def test_a_failing_provider_hands_the_run_to_the_playbook_with_the_reason(stub: 
     stub.queue(openai_error(401, "Incorrect API key provided", "invalid_request_error"))
     settings = Settings(data_dir=tmp_path / "data")
     report = report_json(
-        run_optimize(request(max_iters=2, out=tmp_path / "o"), settings=settings, chat=openai_on(stub))
+        run_optimize(request(max_iters=1, out=tmp_path / "o"), settings=settings, chat=openai_on(stub))
     )
-    assert [it["verdict"] for it in report["iterations"]] == ["pass", "pass"]
-    assert report["iterations"][0]["strategy"] == "fused_pointwise"
+    [step] = report["iterations"]
+    assert step["strategy"] == "fused_pointwise" and step["verdict"] == "pass", step
     assert "rejected the API key (401)" in report["usage"]["llm_fallback"]
     assert len(stub.requests) == 1, "a failed provider is not asked again in the run"
     assert "the playbook took over" in (tmp_path / "o" / "report.md").read_text()
