@@ -281,10 +281,17 @@ def optimize(
     no_kb: Annotated[
         bool, typer.Option("--no-kb", help="Neither read nor write the knowledge base.")
     ] = False,
+    record: Annotated[
+        Path | None, typer.Option(help="Write a transcript of every LLM call to this folder.")
+    ] = None,
+    replay: Annotated[
+        Path | None, typer.Option(help="Play the LLM calls a --record folder holds (the replay backend).")
+    ] = None,
 ) -> None:
     """Run the crew on a task and write best.py, report.md and report.json."""
     from kernelcrew.agents.llm import BACKENDS, LLMError
     from kernelcrew.agents.run import OptimizeRequest, run_optimize
+    from kernelcrew.config import get_settings
 
     try:
         if backend not in ("auto", *BACKENDS):
@@ -308,8 +315,15 @@ def optimize(
             compile_modes=compile_modes,
             quick=quick,
             use_kb=not no_kb,
+            record=record,
         )
-        report = run_optimize(request, console=console, ask=_ask_guidance if chat else None)
+        settings = None
+        if replay is not None:
+            request.backend = "replay"
+            settings = get_settings().model_copy(update={"replay_file": str(replay)})
+        report = run_optimize(
+            request, console=console, ask=_ask_guidance if chat else None, settings=settings
+        )
     except (TaskError, LLMError) as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from exc

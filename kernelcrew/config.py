@@ -190,7 +190,28 @@ class Settings(BaseSettings):
     anthropic_api_key: SecretStr = Field(
         SecretStr(""), validation_alias=AliasChoices("KERNELCREW_ANTHROPIC_API_KEY", "ANTHROPIC_API_KEY")
     )
-    replay_file: str = Field("", description='JSON file {"responses": [...]} for the replay backend.')
+    replay_file: str = Field(
+        "",
+        description='The replay backend\'s recording: a JSON file {"responses": [...]} or a folder of '
+        "transcripts written by --record.",
+    )
+    llm_record_dir: str = Field("", description="Folder where every LLM call's transcript is written.")
+    llm_temperature: float | None = Field(
+        None, ge=0, le=2, description="Sampling temperature; sent only to models that accept one."
+    )
+    llm_reasoning_effort: str = Field(
+        "",
+        pattern=r"^(|none|minimal|low|medium|high|xhigh|max)$",
+        description="Reasoning effort; sent only to models that take one (OpenAI reasoning models, "
+        "Anthropic's effort setting).",
+    )
+    llm_max_tokens: int = Field(8192, ge=256, description="Output token budget of the coder's replies.")
+    llm_samples: int = Field(
+        1, ge=1, le=8, description="Candidates the coder's model writes per step (verified in turn)."
+    )
+    llm_structured: bool = Field(
+        True, description="Ask for JSON-schema (OpenAI) or tool-use (Anthropic) answers from the planner."
+    )
 
     # Storage (kernelcrew/knowledge_base/db.py): the knowledge base and the service's tables.
     kb_embedding_model: str = Field(

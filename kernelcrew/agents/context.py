@@ -34,6 +34,10 @@ class CrewContext:
     """Sandboxed FX analysis of the task (the playbook's); injectable for tests."""
     kb: Any | None = None
     """The knowledge base (a ``kernelcrew.knowledge_base.KnowledgeBase``), or None: no hits, no records."""
+    samples: int = 1
+    """Candidates the coder's model writes per step (``KERNELCREW_LLM_SAMPLES``)."""
+    max_tokens: int = 8192
+    """Output token budget of the coder's replies (``KERNELCREW_LLM_MAX_TOKENS``)."""
 
     def emit(self, kind: str, **data: Any) -> None:
         """Tell the user (progress view, SSE stream) what just happened."""

@@ -36,6 +36,7 @@ from kernelcrew.agents.planner import (
     step_key,
 )
 from kernelcrew.agents.profiler import diagnose, time_candidate
+from kernelcrew.agents.prompts.sections import ncu_text
 from kernelcrew.agents.state import Candidate, CrewState
 from kernelcrew.records import Report, VerifyRequest
 
@@ -77,6 +78,7 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         if draft is not None:
             record.update(draft.summary())
             record["repairs"] = state.repairs
+            record["ncu_text"] = ncu_text(draft.ncu)  # the planner's history shows every candidate's
         if state.plan is not None:
             record.update(
                 strategy=state.plan.strategy, params=state.plan.params, rationale=state.plan.rationale

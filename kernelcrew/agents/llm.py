@@ -7,6 +7,14 @@ loop retries rate limits (429), server errors (5xx, 529 overloaded), timeouts an
 with exponential backoff and jitter, honouring ``retry-after``, and raises :class:`LLMError` at once
 for a rejected request (400, 401, 403, 404). Token usage comes from the responses and cost from
 :data:`PRICES`; :class:`UsageMeter` adds them up per run and per agent.
+
+Settings (:class:`Sampling`: temperature, reasoning effort, max tokens) are sent only where the
+provider and model take them: no temperature to OpenAI's reasoning models, no reasoning effort to
+the others, and a parameter a server rejects (400 naming it) is dropped and the call repeated
+without it. A structured answer (:class:`OutputSchema`) is asked as a JSON schema (OpenAI) or a
+forced tool call (Anthropic); a server that rejects it gets plain text from then on, which the
+agents parse the same way. :class:`RecordingChat` writes one transcript per call and
+:class:`ReplayChat` plays such a folder back, errors and usage included.
 """
 
 from __future__ import annotations
@@ -73,6 +81,27 @@ _KEY_LIKE = re.compile(r"\b(sk-[A-Za-z0-9_-]{4})[A-Za-z0-9_*-]{4,}")
 # --- Data -------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A client's settings, sent only where its provider and model accept them."""
+
+    temperature: float | None = None
+    """None: the provider's default (nothing sent)."""
+    effort: str = ""
+    """Reasoning effort (none, minimal, low, medium, high, ...); "": the model's default."""
+    max_tokens: int = 4096
+    """Output budget when the caller names none."""
+
+
+@dataclass(frozen=True)
+class OutputSchema:
+    """A structured answer: a JSON object of this schema (OpenAI json_schema, Anthropic tool use)."""
+
+    name: str
+    description: str
+    schema: dict[str, Any]
+
+
 @dataclass
 class Message:
     """One chat message."""
@@ -101,17 +130,28 @@ class Completion:
     attempts: int
     stop_reason: str = ""
     """The provider's finish/stop reason ("stop", "end_turn", "length", "max_tokens"...)."""
+    structured: bool = False
+    """Whether ``text`` is the provider's structured answer (a JSON object of the schema asked)."""
 
 
 @runtime_checkable
 class ChatModel(Protocol):
-    """What the agents call; tests pass a :class:`ReplayChat`."""
+    """What the agents call; tests pass a :class:`ReplayChat`.
+
+    ``temperature`` and ``max_tokens`` left None take the client's :class:`Sampling`; ``schema``
+    asks for a structured answer where the provider supports it (plain text otherwise).
+    """
 
     provider: str
     model: str
 
     def complete(
-        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
+        self,
+        messages: list[Message],
+        *,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        schema: OutputSchema | None = None,
     ) -> Completion: ...
 
 
@@ -156,6 +196,20 @@ class LLMError(RuntimeError):
 
 def _rebuild_llm_error(message: str, kwargs: dict[str, Any]) -> LLMError:
     return LLMError(message, **kwargs)
+
+
+class ReplayExhausted(LLMError):
+    """A replayed run asked for more calls than its recording holds (it diverged from it): a failed
+    call, not a provider failure, so the playbook does not take over."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ReplayExhausted, (str(self),), {"provider": self.provider, "model": self.model})
+
+
+def provider_failed(exc: LLMError) -> bool:
+    """Whether ``exc`` means the provider itself failed (no reply at all: network, key, quota...),
+    after which the playbook takes over; an unusable reply or a replay that ran out is not."""
+    return exc.completion is None and not isinstance(exc, ReplayExhausted)
 
 
 # --- Prices and usage ---------------------------------------------------------------------------------
@@ -401,9 +455,16 @@ class _RetryingClient:
         price_out: float | None = None,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        sampling: Sampling | None = None,
+        structured: bool = True,
     ) -> None:
         self.model = model
         self.base_url = base_url
+        self.sampling = sampling or Sampling()
+        self.structured = structured
+        """Whether structured answers are asked (turned off when the server rejects them)."""
+        self.rejected: set[str] = set()
+        """Optional parameters the server rejected; never sent again by this client."""
         self.price_in = price_in
         self.price_out = price_out
         self._sdk = _import_sdk(self._sdk_name)
@@ -419,14 +480,61 @@ class _RetryingClient:
         raise NotImplementedError
 
     def _completion(
-        self, text: str, n_in: int, n_out: int, served: str | None, attempts: int, stop: str
+        self,
+        text: str,
+        n_in: int,
+        n_out: int,
+        served: str | None,
+        attempts: int,
+        stop: str,
+        structured: bool = False,
     ) -> Completion:
         """The reply with its usage, priced by the model that served it (or the one asked for)."""
         model = served or self.model
         cost = estimate_cost(
             [model, self.model], n_in, n_out, price_in=self.price_in, price_out=self.price_out
         )
-        return Completion(text, Usage(n_in, n_out, cost), model, self.provider, attempts, stop)
+        return Completion(text, Usage(n_in, n_out, cost), model, self.provider, attempts, stop, structured)
+
+    def _send(self, build: Callable[[], dict[str, Any]], create: Callable[..., Any]) -> tuple[Any, int]:
+        """``create(**build())``; a 400 that names an optional parameter we sent drops it (and a
+        rejected structured answer turns structured answers off), then the call is made again."""
+        attempts = 0
+        while True:
+            params = build()
+            try:
+                response, n = self._call(lambda params=params: create(**params))
+            except LLMError as exc:
+                attempts += exc.attempts
+                dropped = self._rejected_option(exc, params)
+                if dropped is None:
+                    exc.attempts = attempts
+                    raise
+                log.warning(
+                    "%s (%s): the server rejected %s; sent without it from now on",
+                    self.provider,
+                    self.model,
+                    dropped,
+                )
+                continue
+            return response, attempts + n
+
+    _OPTIONAL: tuple[str, ...] = ()
+    """Request parameters this client may drop when the server rejects them."""
+    _SCHEMA_PARAMS: tuple[str, ...] = ()
+
+    def _rejected_option(self, exc: LLMError, params: dict[str, Any]) -> str | None:
+        if exc.status_code not in (400, 422):
+            return None
+        text = str(exc).lower()
+        for name in self._OPTIONAL:
+            if name in params and name.lower() in text and name not in self.rejected:
+                self.rejected.add(name)
+                return name
+        if self.structured and any(name in params for name in self._SCHEMA_PARAMS):
+            self.structured = False  # a server without structured outputs: plain text from now on
+            return "the structured answer"
+        return None
 
     def _call(self, request: Callable[[], Any]) -> tuple[Any, int]:
         attempt = 0
@@ -517,43 +625,85 @@ class OpenAIChat(_RetryingClient):
             max_retries=0,
         )
 
-    def _params(self, messages: list[Message], temperature: float, max_tokens: int) -> dict[str, Any]:
+    _OPTIONAL = ("temperature", "reasoning_effort")
+    _SCHEMA_PARAMS = ("response_format",)
+
+    def _params(
+        self,
+        messages: list[Message],
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        schema: OutputSchema | None = None,
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": m.role, "content": m.content} for m in messages],
         }
+        temperature = self.sampling.temperature if temperature is None else temperature
+        budget = max_tokens or self.sampling.max_tokens
         if _REASONING_MODEL.match(self.model):
-            params["max_completion_tokens"] = max_tokens
+            params["max_completion_tokens"] = budget
+            if self.sampling.effort:
+                params["reasoning_effort"] = self.sampling.effort
         else:
-            params["temperature"] = temperature
-            params["max_tokens"] = max_tokens
+            if temperature is not None:
+                params["temperature"] = temperature
+            params["max_tokens"] = budget
+        if schema is not None and self.structured:
+            params["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": schema.name,
+                    "description": schema.description,
+                    "schema": schema.schema,
+                    "strict": False,
+                },
+            }
+        for name in self.rejected:
+            params.pop(name, None)
         return params
 
     def complete(
-        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
+        self,
+        messages: list[Message],
+        *,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        schema: OutputSchema | None = None,
     ) -> Completion:
         """One chat completion, retried on transient failures."""
-        params = self._params(messages, temperature, max_tokens)
-        response, attempts = self._call(lambda: self._client.chat.completions.create(**params))
+        sent: dict[str, Any] = {}
+
+        def build() -> dict[str, Any]:
+            sent.clear()
+            sent.update(self._params(messages, temperature, max_tokens, schema))
+            return sent
+
+        response, attempts = self._send(build, self._client.chat.completions.create)
         choice = response.choices[0] if response.choices else None
         text = (choice.message.content or "") if choice else ""
         stop = (choice.finish_reason or "") if choice else ""
         usage = response.usage
         n_in = (usage.prompt_tokens or 0) if usage else 0
         n_out = (usage.completion_tokens or 0) if usage else 0
-        reply = self._completion(text, n_in, n_out, response.model, attempts, stop)
+        reply = self._completion(
+            text, n_in, n_out, response.model, attempts, stop, structured="response_format" in sent
+        )
         if not text.strip():
             refusal = getattr(choice.message, "refusal", None) if choice else None
-            raise self._empty_reply(reply, max_tokens, refusal or "")
+            budget = sent.get("max_completion_tokens", sent.get("max_tokens", 0))
+            raise self._empty_reply(reply, budget, refusal or "")
         return reply
 
 
 class AnthropicChat(_RetryingClient):
     """Anthropic's Messages API; system messages go into ``system``, the rest stay in order.
 
-    ``temperature`` is accepted for the protocol and not sent: the SDK (2.x) speaks API version
-    2026-10-21, which rejects every sampling parameter (and removed them from ``messages.create``).
-    The SDK sends the key as ``Authorization: Bearer``.
+    No temperature is sent: the SDK (2.x) speaks API version 2026-10-21, which rejects every
+    sampling parameter (and removed them from ``messages.create``). The reasoning effort goes in
+    ``output_config.effort`` (low, medium, high, xhigh, max; other values are not sent). A
+    structured answer is a forced call of one tool whose input schema is the answer's. The SDK
+    sends the key as ``Authorization: Bearer``.
     """
 
     provider = "anthropic"
@@ -561,6 +711,9 @@ class AnthropicChat(_RetryingClient):
     _sdk_name = "anthropic"
     _default_host = "api.anthropic.com"
     _default_url = "https://api.anthropic.com"
+    _OPTIONAL = ("output_config",)
+    _SCHEMA_PARAMS = ("tools", "tool_choice")
+    _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
     def _make_client(self) -> Any:
         return self._sdk.Anthropic(
@@ -570,10 +723,9 @@ class AnthropicChat(_RetryingClient):
             max_retries=0,
         )
 
-    def complete(
-        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
-    ) -> Completion:
-        """One message, retried on transient failures."""
+    def _params(
+        self, messages: list[Message], max_tokens: int | None, schema: OutputSchema | None
+    ) -> dict[str, Any]:
         system = "\n\n".join(m.content for m in messages if m.role == "system")
         turns = [{"role": m.role, "content": m.content} for m in messages if m.role != "system"]
         if not turns:
@@ -581,59 +733,218 @@ class AnthropicChat(_RetryingClient):
         params: dict[str, Any] = {
             "model": self.model,
             "messages": turns,
-            "max_tokens": max_tokens,
+            "max_tokens": max_tokens or self.sampling.max_tokens,
         }
         if system:
             params["system"] = system
-        response, attempts = self._call(lambda: self._client.messages.create(**params))
-        text = "".join(b.text for b in response.content if getattr(b, "type", "") == "text")
+        if self.sampling.effort in self._EFFORTS:
+            params["output_config"] = {"effort": self.sampling.effort}
+        if schema is not None and self.structured:
+            params["tools"] = [
+                {"name": schema.name, "description": schema.description, "input_schema": schema.schema}
+            ]
+            params["tool_choice"] = {"type": "tool", "name": schema.name}
+        for name in self.rejected:
+            params.pop(name, None)
+        return params
+
+    def complete(
+        self,
+        messages: list[Message],
+        *,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        schema: OutputSchema | None = None,
+    ) -> Completion:
+        """One message, retried on transient failures (``temperature`` is not sent: see the class)."""
+        sent: dict[str, Any] = {}
+
+        def build() -> dict[str, Any]:
+            sent.clear()
+            sent.update(self._params(messages, max_tokens, schema))
+            return sent
+
+        response, attempts = self._send(build, self._client.messages.create)
+        tool = next((b for b in response.content if getattr(b, "type", "") == "tool_use"), None)
+        if tool is not None:
+            text, structured = json.dumps(tool.input), True
+        else:
+            text = "".join(b.text for b in response.content if getattr(b, "type", "") == "text")
+            structured = False
         stop = response.stop_reason or ""
         usage = response.usage
         n_in = (usage.input_tokens or 0) if usage else 0
         n_out = (usage.output_tokens or 0) if usage else 0
-        reply = self._completion(text, n_in, n_out, response.model, attempts, stop)
+        reply = self._completion(text, n_in, n_out, response.model, attempts, stop, structured)
         if not text.strip():
-            raise self._empty_reply(reply, max_tokens, "refused" if stop == "refusal" else "")
+            raise self._empty_reply(reply, sent["max_tokens"], "refused" if stop == "refusal" else "")
+        return reply
+
+
+TRANSCRIPT_GLOB = "call-*.json"
+"""The files :class:`RecordingChat` writes, one per call, numbered in call order."""
+
+
+def _transcript(
+    n: int,
+    provider: str,
+    model: str,
+    messages: list[Message],
+    request: dict[str, Any],
+    reply: Completion | None,
+    error: LLMError | None,
+) -> dict[str, Any]:
+    def completion(c: Completion) -> dict[str, Any]:
+        return {
+            "text": c.text,
+            "model": c.model,
+            "provider": c.provider,
+            "attempts": c.attempts,
+            "stop_reason": c.stop_reason,
+            "structured": c.structured,
+            "usage": {
+                "input_tokens": c.usage.input_tokens,
+                "output_tokens": c.usage.output_tokens,
+                "cost_usd": c.usage.cost_usd,
+            },
+        }
+
+    return {
+        "call": n,
+        "provider": provider,
+        "model": model,
+        "request": {"messages": [{"role": m.role, "content": m.content} for m in messages], **request},
+        "reply": completion(reply) if reply is not None else None,
+        "error": None
+        if error is None
+        else {
+            "message": str(error),
+            "retryable": error.retryable,
+            "status_code": error.status_code,
+            "attempts": error.attempts,
+        },
+    }
+
+
+class RecordingChat:
+    """Wraps a chat model and writes each call (messages, settings, reply or error, usage) to
+    ``<folder>/call-NNNN.json``; a resumed run goes on numbering after the files already there."""
+
+    def __init__(self, inner: Any, folder: str | Path) -> None:
+        self.inner = inner
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.provider: str = inner.provider
+        self.model: str = inner.model
+        self.base_url: str = getattr(inner, "base_url", "")
+        self._count = len(list(self.folder.glob(TRANSCRIPT_GLOB)))
+
+    def complete(
+        self,
+        messages: list[Message],
+        *,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        schema: OutputSchema | None = None,
+    ) -> Completion:
+        """The inner model's reply (or error), written down first."""
+        request = {
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "schema": schema.name if schema is not None else None,
+        }
+        self._count += 1
+        path = self.folder / f"call-{self._count:04d}.json"
+        try:
+            reply = self.inner.complete(
+                messages, temperature=temperature, max_tokens=max_tokens, schema=schema
+            )
+        except LLMError as exc:
+            record = _transcript(
+                self._count, self.provider, self.model, messages, request, exc.completion, exc
+            )
+            path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+            raise
+        record = _transcript(self._count, self.provider, self.model, messages, request, reply, None)
+        path.write_text(json.dumps(record, indent=1), encoding="utf-8")
         return reply
 
 
 class ReplayChat:
-    """Plays recorded replies in order and records what it was sent (``.sent``), for tests and demos.
+    """Plays recorded replies in order and records what it was sent (``.sent``), for tests and CI.
 
-    ``responses`` is a list of reply texts or the path of a JSON file ``{"responses": [...]}``.
+    ``responses`` is a list of reply texts, the path of a JSON file ``{"responses": [...]}``, or a
+    folder of transcripts written by :class:`RecordingChat` (``--record``): those are played with
+    their usage, stop reasons and errors, so a replayed run is metered and fails as the recorded one.
     """
 
     provider = "replay"
 
     def __init__(self, responses: Sequence[str] | str | Path, *, model: str = "replay") -> None:
-        if isinstance(responses, (str, Path)):
-            responses = _load_replay_file(Path(responses))
-        if not all(isinstance(r, str) for r in responses):
-            raise ValueError("replay responses must be strings")
+        entries: list[dict[str, Any]]
+        if isinstance(responses, (str, Path)) and Path(responses).is_dir():
+            entries = _load_transcripts(Path(responses))
+        else:
+            if isinstance(responses, (str, Path)):
+                responses = _load_replay_file(Path(responses))
+            if not all(isinstance(r, str) for r in responses):
+                raise ValueError("replay responses must be strings")
+            entries = [{"reply": {"text": r}} for r in responses]
         self.model = model
-        self.responses: list[str] = list(responses)
+        self.entries = entries
+        self.responses: list[str] = [(e.get("reply") or {}).get("text", "") for e in entries]
         self.sent: list[list[Message]] = []
         self._next = 0
 
     @property
     def remaining(self) -> int:
         """Replies not played yet."""
-        return len(self.responses) - self._next
+        return len(self.entries) - self._next
 
     def complete(
-        self, messages: list[Message], *, temperature: float = 0.2, max_tokens: int = 4096
+        self,
+        messages: list[Message],
+        *,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        schema: OutputSchema | None = None,
     ) -> Completion:
-        """The next recorded reply; LLMError when all were played."""
+        """The next recorded reply (or the recorded error); LLMError when all were played."""
         self.sent.append([Message(m.role, m.content) for m in messages])
-        if self._next >= len(self.responses):
-            raise LLMError(
-                f"replay ({self.model}): all {len(self.responses)} recorded responses were used",
+        if self._next >= len(self.entries):
+            raise ReplayExhausted(
+                f"replay ({self.model}): all {len(self.entries)} recorded responses were used",
                 provider=self.provider,
                 model=self.model,
             )
-        text = self.responses[self._next]
+        entry = self.entries[self._next]
         self._next += 1
-        return Completion(text, Usage(0, 0, 0.0), self.model, self.provider, 1, "end_turn")
+        reply = entry.get("reply")
+        completion = None
+        if reply is not None:
+            usage = reply.get("usage") or {"cost_usd": 0.0}
+            completion = Completion(
+                reply.get("text", ""),
+                Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0), usage.get("cost_usd")),
+                reply.get("model", self.model),
+                reply.get("provider", self.provider),
+                reply.get("attempts", 1),
+                reply.get("stop_reason", "end_turn"),
+                reply.get("structured", False),
+            )
+        error = entry.get("error")
+        if error is not None:
+            raise LLMError(
+                error.get("message", "recorded error"),
+                retryable=bool(error.get("retryable")),
+                provider=self.provider,
+                model=self.model,
+                status_code=error.get("status_code"),
+                attempts=error.get("attempts", 1),
+                completion=completion,
+            )
+        assert completion is not None
+        return completion
 
 
 def _load_replay_file(path: Path) -> list[str]:
@@ -646,6 +957,22 @@ def _load_replay_file(path: Path) -> list[str]:
     if not isinstance(data, dict) or not isinstance(data.get("responses"), list):
         raise ValueError(f'replay file {path} must hold an object {{"responses": [...]}}')
     return data["responses"]
+
+
+def _load_transcripts(folder: Path) -> list[dict[str, Any]]:
+    paths = sorted(folder.glob(TRANSCRIPT_GLOB))
+    if not paths:
+        raise ValueError(f"no transcripts ({TRANSCRIPT_GLOB}) in {folder}")
+    entries = []
+    for path in paths:
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read transcript {path}: {exc}") from None
+        if not isinstance(entry, dict) or ("reply" not in entry and "error" not in entry):
+            raise ValueError(f"transcript {path} has neither a reply nor an error")
+        entries.append(entry)
+    return entries
 
 
 # --- Choosing the model -------------------------------------------------------------------------------
@@ -685,10 +1012,17 @@ def resolve_chat_model(
     if name == "replay":
         if not settings.replay_file:
             raise LLMError(
-                "the replay backend needs a recording: set KERNELCREW_REPLAY_FILE", provider="replay"
+                "the replay backend needs a recording: set KERNELCREW_REPLAY_FILE (a file or a --record folder)",
+                provider="replay",
             )
         return ReplayChat(settings.replay_file, model=chosen)
     common: dict[str, Any] = {
+        "sampling": Sampling(
+            temperature=settings.llm_temperature,
+            effort=settings.llm_reasoning_effort,
+            max_tokens=settings.llm_max_tokens,
+        ),
+        "structured": settings.llm_structured,
         "timeout_s": settings.llm_timeout_s,
         "max_retries": settings.llm_max_retries,
         "price_in": settings.llm_price_in,

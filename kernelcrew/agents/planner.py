@@ -5,22 +5,15 @@ once, then the step counts as failed). Without one, the playbook plans: the appl
 strategies of the task's graph, own kernels first, each with its tuning configurations, never the
 same (strategy, parameters) twice, shaped by the user's guidance.
 
-Guidance the playbook obeys (one per message, case-insensitive):
-
-    only triton | only kernels        own kernels only (no torch.compile candidates)
-    keep fp32                         strict precision is kept (it is the default)
-    try <strategy>                    that strategy next
-    skip <strategy>                   never that strategy
-    more iterations                   three more steps
-    stop                              finish now with the best so far
-
-Anything else is answered with what the playbook can do.
+The user's commands (:mod:`kernelcrew.agents.guidance`; several in one message are all obeyed)
+bind both planners: the playbook never offers a refused strategy, and an LLM's step that the user
+refused is re-asked. Free text goes to the LLM planner and coder as it was written; without an
+LLM it is answered with what the playbook can do.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import replace
 from typing import Any
@@ -29,31 +22,11 @@ from langgraph.runtime import Runtime
 from pydantic import ValidationError
 
 from kernelcrew.agents.context import CrewContext
+from kernelcrew.agents.guidance import parse_commands
+from kernelcrew.agents.guidance import parse_guidance as parse_guidance  # re-exported
 from kernelcrew.agents.knowledge import hits_text, task_hits
 from kernelcrew.agents.profiler import expected_compile_s
 from kernelcrew.agents.state import CrewState, PlanStep
-
-GUIDANCE = re.compile(
-    r"^\s*(?:(?P<only>only (?:triton|kernels?))|(?P<fp32>keep fp32)|(?P<more>more iterations)|(?P<stop>stop)"
-    r"|(?:(?P<verb>try|skip)\s+(?P<name>[\w:-]+)))\s*\.?\s*$",
-    re.I,
-)
-
-
-def parse_guidance(message: str) -> tuple[str, str]:
-    """``(action, argument)`` of a guidance message; ``("unknown", message)`` when it is none."""
-    m = GUIDANCE.match(message)
-    if m is None:
-        return "unknown", message
-    if m.group("only"):
-        return "only_kernels", ""
-    if m.group("fp32"):
-        return "keep_fp32", ""
-    if m.group("more"):
-        return "more", ""
-    if m.group("stop"):
-        return "stop", ""
-    return m.group("verb").lower(), m.group("name").lower()
 
 
 def step_key(strategy: str, params: dict[str, Any]) -> str:
@@ -117,62 +90,84 @@ def _menu(state: CrewState) -> list[PlanStep]:
     return [step for _, step in sorted(enumerate(steps), key=order)]
 
 
-def _guidance(state: CrewState) -> tuple[dict[str, Any], list[str]]:
-    """Fold every user message into preferences; answer the new ones."""
-    prefs: dict[str, Any] = {"only_kernels": False, "try": [], "skip": set(), "more": 0, "stop": False}
+def _guidance(state: CrewState, llm: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """Fold every command of every user message into preferences; answer the new messages (every
+    command of a message, in one reply). ``llm``: free text goes to the LLM planner."""
+    prefs: dict[str, Any] = {
+        "only_kernels": False,
+        "no_compiler": False,
+        "keep_fp32": False,
+        "try": [],
+        "skip": set(),
+        "more": 0,
+        "stop": False,
+    }
     replies = []
     for i, message in enumerate(state.user_messages):
-        action, arg = parse_guidance(message)
-        new = i >= state.answered
-        if action == "only_kernels":
-            prefs["only_kernels"] = True
-            reply = "Only own kernels from now on: no torch.compile candidates."
-        elif action == "keep_fp32":
-            reply = f"Precision stays {state.options.precision}: fp32 outputs are verified against fp32 thresholds."
-        elif action == "try":
-            prefs["try"].append(arg)
-            reply = f"Trying {arg} next if it applies to this module."
-        elif action == "skip":
-            prefs["skip"].add(arg)
-            reply = f"{arg} will not be tried."
-        elif action == "more":
-            prefs["more"] += 3
-            reply = "Three more steps."
-        elif action == "stop":
-            prefs["stop"] = True
-            reply = "Stopping: finishing with the best verified candidate."
-        else:
-            reply = (
-                "Without an LLM configured the playbook understands: only triton, keep fp32, try <strategy>, "
-                "skip <strategy>, more iterations, stop. Strategies for this module: "
-                + (", ".join(sorted({s.strategy for s in _menu(state)})) or "none")
-                + "."
-            )
-        if new:
-            replies.append(f"> {message}\n{reply}")
+        answers = []
+        for action, arg in parse_commands(message):
+            if action == "only_kernels":
+                prefs["only_kernels"] = True
+                answers.append("Only own kernels from now on: no torch.compile or library candidates.")
+            elif action == "no_compiler":
+                prefs["no_compiler"] = True
+                answers.append("No torch.compile candidates from now on.")
+            elif action == "keep_fp32":
+                prefs["keep_fp32"] = True
+                answers.append("Precision stays strict: fp32 stays fp32, verified against fp32 thresholds.")
+            elif action == "try":
+                prefs["try"].append(arg)
+                answers.append(f"Trying {arg} next if it applies to this module.")
+            elif action == "skip":
+                prefs["skip"].add(arg)
+                answers.append(f"{arg} will not be tried.")
+            elif action == "more":
+                prefs["more"] += 3 if i >= state.answered else 0  # each message extends the run once
+                answers.append("Three more steps.")
+            elif action == "stop":
+                prefs["stop"] = True
+                answers.append("Stopping: finishing with the best verified candidate.")
+            elif llm:
+                answers.append(f"Passed to the planner and the coder: {arg!r}.")
+            else:
+                answers.append(
+                    "Without an LLM configured the playbook understands: only triton, no torch.compile, "
+                    "keep fp32, try <strategy>, skip <strategy>, more iterations, stop (several in one "
+                    "message, separated by commas). Strategies for this module: "
+                    + (", ".join(sorted({s.strategy for s in _menu(state)})) or "none")
+                    + "."
+                )
+        if i >= state.answered:
+            replies.append(f"> {message}\n" + " ".join(answers))
     return prefs, replies
 
 
 def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     """Return the next step, or ``plan=None`` with a stop reason when there is none."""
     ctx = runtime.context
-    prefs, replies = _guidance(state)
+    prefs, replies = _guidance(state, llm=ctx.chat is not None and not state.llm_failure)
     update: dict[str, Any] = {"answered": len(state.user_messages), "repairs": 0, "draft": None}
     if replies:
         update["replies"] = replies
         for reply in replies:
             ctx.emit("reply", message=reply)
-    if prefs["more"]:
-        opts = state.options
-        update["options"] = type(opts)(**{**opts.__dict__, "max_iters": opts.max_iters + prefs["more"]})
+    opts = state.options
+    if prefs["more"] or (prefs["keep_fp32"] and opts.precision != "strict"):
+        precision = "strict" if prefs["keep_fp32"] else opts.precision
+        update["options"] = replace(opts, max_iters=opts.max_iters + prefs["more"], precision=precision)
     if prefs["stop"]:
         return {**update, "plan": None, "stop_reason": "stopped by the user"}
     if state.kb_hits is None:  # asked once per run; checkpointed with the state
         state = replace(state, kb_hits=task_hits(state, ctx))
         update["kb_hits"] = state.kb_hits
-    if ctx.chat is not None:
-        step, problem = _plan_with_llm(state, ctx)
-        if step is None:  # counted as a failed step; decide goes on or stops by the budget
+    step = None
+    if ctx.chat is not None and not state.llm_failure:
+        step, problem, provider_failed = _plan_with_llm(state, ctx)
+        if provider_failed:  # the playbook takes over for the rest of the run
+            update["llm_failure"] = problem
+            ctx.emit("llm_fallback", node="plan", message=f"{problem}; the playbook plans from now on")
+            state = replace(state, llm_failure=problem)
+        elif step is None:  # counted as a failed step; decide goes on or stops by the budget
             record = {"step": state.steps_used + 1, "strategy": "(plan)", "verdict": "fail", "stage": "plan"}
             return {
                 **update,
@@ -181,7 +176,7 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
                 "steps_used": state.steps_used + 1,
                 "since_gain": state.since_gain + 1,
             }
-    else:
+    if step is None:
         step = _plan_with_playbook(state, prefs)
     if step is not None and state.steps_used and not _fits_budget(state, step):
         # nothing left that fits; the first step always starts, however heavy the task
@@ -208,6 +203,7 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
         if step_key(s.strategy, s.params) not in tried
         and s.strategy not in prefs["skip"]
         and not (prefs["only_kernels"] and playbook.STRATEGIES[s.strategy].source_kind != "kernel")
+        and not (prefs.get("no_compiler") and playbook.STRATEGIES[s.strategy].source_kind == "compiler")
     ]
     for wanted in prefs["try"]:
         for s in menu:
@@ -322,17 +318,23 @@ def fallback_mode(state: CrewState) -> str | None:
     return min(faster, key=lambda mode: faster[mode]) if faster else None
 
 
-def refused_by_user(state: CrewState, strategy: str) -> str:
-    """Why the user's guidance rules ``strategy`` out (``only kernels``, ``skip <strategy>``), or ""."""
+def refused_by_user(state: CrewState, strategy: str, params: dict[str, Any] | None = None) -> str:
+    """Why the user's commands rule ``strategy`` out (only kernels, no torch.compile, skip it), or ""."""
     from kernelcrew.agents import playbook
 
     entry = playbook.STRATEGIES.get(strategy)
+    kind = entry.source_kind if entry is not None else "kernel"
+    language = str((params or {}).get("language", "")).lower()
     for message in state.user_messages:
-        action, arg = parse_guidance(message)
-        if action == "only_kernels" and entry is not None and entry.source_kind != "kernel":
-            return f"the user asked for own kernels only ({message!r})"
-        if action == "skip" and arg == strategy:
-            return f"the user asked to skip it ({message!r})"
+        for action, arg in parse_commands(message):
+            if action == "only_kernels" and kind != "kernel":
+                return f"the user asked for own kernels only ({message!r})"
+            if action == "only_kernels" and "triton" in message.lower() and language in ("cuda", "c++"):
+                return f"the user asked for Triton only ({message!r})"
+            if action == "no_compiler" and kind == "compiler":
+                return f"the user asked for no torch.compile ({message!r})"
+            if action == "skip" and arg == strategy.lower():
+                return f"the user asked to skip it ({message!r})"
     return ""
 
 
@@ -396,34 +398,56 @@ def _budget_reason(state: CrewState, step: PlanStep) -> str:
     )
 
 
-def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None, str]:
-    from kernelcrew.agents.llm import LLMError, Message, extract_json
-    from kernelcrew.agents.prompts import render
+PLAN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "strategy": {"type": "string", "description": "A strategy offered, or custom:<short name>."},
+        "rationale": {"type": "string", "description": "Why this step, from the evidence."},
+        "expected_gain": {"type": "number", "description": "Expected speedup over the best (>= 1.0)."},
+        "params": {"type": "object", "description": "The step's settings ({} when none)."},
+    },
+    "required": ["strategy", "rationale", "expected_gain", "params"],
+}
+"""The planner's answer as a JSON schema (a :class:`PlanStep` without its ``source``)."""
+
+
+def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None, str, bool]:
+    """(step or None, why not, whether the provider itself failed: no reply at all)."""
+    from kernelcrew.agents.llm import LLMError, Message, OutputSchema, extract_json, provider_failed
+    from kernelcrew.agents.prompts import PLANNER_RETRY, render, sections
 
     menu = _menu(state)
     best = state.best
+    base = state.baseline
     messages = render(
         "planner",
-        task_source=state.task_source,
-        best_source=best.source if best else "(none yet: the reference is the baseline)",
+        task_source=sections.capped("task_source", state.task_source),
+        best_source=sections.capped("best_source", best.source)
+        if best
+        else "(none yet: the reference is the baseline)",
         best_summary=json.dumps(best.summary(), default=str) if best else "none",
-        diagnosis=state.diagnosis or "none",
-        kb_hits=hits_text(state.kb_hits or []),
-        strategies="\n".join(f"- {s.strategy} {json.dumps(s.params)}: {s.rationale}" for s in menu) or "none",
-        tried="\n".join(state.tried) or "none",
-        last_failure=_last_failure(state),
-        user_messages="\n".join(state.user_messages) or "none",
+        diagnosis=sections.capped("diagnosis", state.diagnosis or "none"),
+        kb_hits=sections.capped("kb_hits", hits_text(state.kb_hits or [])),
+        strategies=sections.capped(
+            "strategies",
+            "\n".join(f"- {s.strategy} {json.dumps(s.params)}: {s.rationale}" for s in menu) or "none",
+        ),
+        history=sections.history(state.iterations),
+        last_failure=sections.capped("last_failure", _last_failure(state)),
+        user_messages=sections.user_text(state.user_messages),
         precision=state.options.precision,
-        device=state.options.device,
+        device_facts=sections.device_facts(state.options.device, base.hardware, base.peaks, base.versions),
     )
+    schema = OutputSchema("plan_step", "The crew's next optimization step.", PLAN_SCHEMA)
+    problem = ""
     for attempt in range(2):
         unusable = ""
         try:
-            completion = ctx.chat.complete(messages)
+            completion = ctx.chat.complete(messages, schema=schema)
         except LLMError as exc:
             if exc.completion is None:  # no reply at all
                 ctx.emit("error", node="plan", message=str(exc))
-                return None, f"the planner's model failed: {exc}"
+                return None, f"the planner's model failed: {exc}", provider_failed(exc)
             completion, unusable = exc.completion, str(exc)  # empty, refused or cut: as bad JSON
         if ctx.meter is not None:
             ctx.meter.add(completion, "planner")
@@ -431,20 +455,20 @@ def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None,
             if unusable:
                 raise ValueError(unusable)
             data = extract_json(completion.text)
-            return PlanStep.model_validate({**data, "source": "llm"}), ""
+            step = PlanStep.model_validate({**data, "source": "llm"})
+            refused = refused_by_user(state, step.strategy, step.params)
+            if refused:
+                raise ValueError(f"{step.strategy} is ruled out: {refused}")
+            return step, "", False
         except (ValueError, ValidationError) as exc:
             problem = f"the planner's answer was invalid twice: {str(exc)[:300]}"
             ctx.emit("invalid_plan", attempt=attempt + 1, message=str(exc)[:300])
             messages = [
                 *messages,
                 Message("assistant", completion.text or "(empty reply)"),
-                Message(
-                    "user",
-                    f"That answer was not valid ({str(exc)[:500]}). Reply with one JSON object with the keys "
-                    "strategy, rationale, expected_gain (a number > 0) and params.",
-                ),
+                Message("user", PLANNER_RETRY.format(problem=str(exc)[:500])),
             ]
-    return None, problem
+    return None, problem, False
 
 
 def _last_failure(state: CrewState) -> str:

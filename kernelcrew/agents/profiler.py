@@ -258,12 +258,9 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     clock = time.monotonic()
     timed = time_candidate(state, ctx, draft)
     timed.phase_s = {**timed.phase_s, "timing": round(time.monotonic() - clock, 2)}
-    best = state.best
-    faster = timed.time_ms is not None and (
-        best is None or best.time_ms is None or timed.time_ms < best.time_ms
-    )
-    if timed.verdict == "pass" and faster and state.baseline.ncu.get("available"):
-        # Nsight Compute on each new fastest candidate: the next diagnosis reads its metrics.
+    if timed.verdict == "pass" and state.baseline.ncu.get("available"):
+        # Nsight Compute on every verified candidate: the diagnosis reads the best's metrics, the
+        # planner's history every candidate's.
         result = ctx.executor.profile(
             ctx.request(
                 ProfileRequest,

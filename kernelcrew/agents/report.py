@@ -132,7 +132,8 @@ def build_report(state: CrewState, final: FinalTiming | None, ctx: CrewContext) 
         diagnosis=assess_subject(base, best),
         iterations=state.iterations,
         replies=state.replies,
-        usage=state.usage or {"calls": 0, "note": "offline playbook: no LLM tokens"},
+        usage=(state.usage or {"calls": 0, "note": "offline playbook: no LLM tokens"})
+        | ({"llm_fallback": state.llm_failure} if state.llm_failure else {}),
         elapsed_s=state.elapsed_s,
         reproduce=shlex.join(cmd),
     )
@@ -324,6 +325,11 @@ def render_markdown(record: Report) -> str:
         "",
         f"LLM usage: {usage.get('calls', 0)} calls, {usage.get('input_tokens', 0)} input and "
         f"{usage.get('output_tokens', 0)} output tokens, cost {usage.get('cost_usd', 'n/a')}.",
+        *(
+            [f"The LLM failed and the playbook took over: {usage['llm_fallback']}"]
+            if usage.get("llm_fallback")
+            else []
+        ),
         f"Wall time: {report['elapsed_s']} s{_phase_text(base.get('phase_s') or {})}. "
         f"Reproduce: `{report['reproduce']}`",
         "",

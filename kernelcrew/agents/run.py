@@ -49,6 +49,8 @@ class OptimizeRequest:
     quick: bool = False
     use_kb: bool = True
     """Read the knowledge base's hits and record the run's win (``--no-kb``: neither)."""
+    record: Path | None = None
+    """Write a transcript of every LLM call to this folder (``--record``; replayed by ``--replay``)."""
 
 
 def new_run_id() -> str:
@@ -123,6 +125,11 @@ def run_optimize(
         backend, note = getattr(chat, "provider", "injected"), ""
     if note:
         out.print(f"[yellow]{note}[/]")
+    record_dir = req.record or (Path(s.llm_record_dir) if s.llm_record_dir else None)
+    if chat is not None and record_dir is not None:
+        from kernelcrew.agents.llm import RecordingChat
+
+        chat = RecordingChat(chat, record_dir)
     meter = UsageMeter.from_dict(snapshot.values.get("usage") or {}) if snapshot.values else UsageMeter()
     if kb is None and req.use_kb:
         kb = open_kb(s)
@@ -135,6 +142,8 @@ def run_optimize(
         on_event=_fanout(_printer(out), on_event),
         analyze=lambda source, path, seed: analyze(source, path, seed=seed, settings=s),
         kb=kb if req.use_kb else None,
+        samples=s.llm_samples,
+        max_tokens=s.llm_max_tokens,
     )
 
     try:
@@ -148,8 +157,10 @@ def run_optimize(
             values = snapshot.values
             if snapshot.next:
                 out.print(f"resuming run [bold]{run_id}[/] at {', '.join(snapshot.next)}")
+                resumed: dict[str, Any] = {"llm_failure": ""}  # a new process tries the provider again
                 if req.messages:
-                    graph.update_state(config, {"user_messages": [*values["user_messages"], *req.messages]})
+                    resumed["user_messages"] = [*values["user_messages"], *req.messages]
+                graph.update_state(config, resumed)
                 graph.invoke(None, config, context=ctx)
             else:
                 opts: Options = values["options"]
@@ -169,6 +180,7 @@ def run_optimize(
                         "user_messages": [*values["user_messages"], *req.messages],
                         "options": new_opts,
                         "stop_reason": "",
+                        "llm_failure": "",
                         "status": "running",
                         "started_at": time.time() - spent,
                     },

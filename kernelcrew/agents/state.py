@@ -76,12 +76,15 @@ class Candidate:
     """Why the coder's model replies before this source could not be used (empty, refused, cut off)."""
     phase_s: dict[str, float] = field(default_factory=dict)
     """Seconds of the profile node's phases for this candidate: its timing run, Nsight Compute."""
+    samples: list[str] = field(default_factory=list)
+    """The other usable sources the coder's model wrote for this step (``llm_samples`` > 1), each
+    verified in turn when this one fails, before any repair."""
 
     def summary(self) -> dict[str, Any]:
         """Everything but the source (what an iteration record keeps)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("source", "failures", "ncu")} | {
-            "failure": self.failures[0] if self.failures else None
-        }
+        return {
+            k: v for k, v in self.__dict__.items() if k not in ("source", "failures", "ncu", "samples")
+        } | {"failure": self.failures[0] if self.failures else None}
 
 
 @dataclass
@@ -125,6 +128,8 @@ class CrewState:
     elapsed_s: float = 0.0
     usage: dict[str, Any] = field(default_factory=dict)
     """Tokens and cost per agent (an LLM UsageMeter as a dict)."""
+    llm_failure: str = ""
+    """Why the LLM provider failed (network, key, quota): the playbook plans from then on."""
     budget: dict[str, Any] = field(default_factory=dict)
     """How the time budget is spent: the baseline's share and seconds, what it skipped and why, the
     fallback's and the final timing's seconds (replaced whole by each node that adds to it)."""

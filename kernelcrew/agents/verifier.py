@@ -42,8 +42,11 @@ def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     ctx.emit(
         "verify", candidate=draft.id, verdict=checked.verdict, stage=checked.stage, message=checked.message
     )
-    repair = checked.verdict != "pass" and state.repairs < state.options.max_repairs and ctx.chat is not None
-    return {"draft": checked, "repair": repair, "repairs": state.repairs + int(repair)}
+    failed = checked.verdict != "pass"
+    sample = failed and bool(checked.samples)  # the next sample of the step first: not a repair
+    llm = ctx.chat is not None and not state.llm_failure
+    repair = failed and not sample and state.repairs < state.options.max_repairs and llm
+    return {"draft": checked, "repair": sample or repair, "repairs": state.repairs + int(repair)}
 
 
 def _unusable(source: str, path: str) -> dict[str, Any] | None:

@@ -608,10 +608,13 @@ def test_keys_are_secret(env) -> None:
 # --- Prompts ------------------------------------------------------------------------------------------
 
 PLANNER_FIELDS = {
-    "task_source", "best_source", "best_summary", "diagnosis", "kb_hits", "strategies", "tried",
-    "last_failure", "user_messages", "precision", "device",
+    "task_source", "best_source", "best_summary", "diagnosis", "kb_hits", "strategies", "history",
+    "last_failure", "user_messages", "precision", "device_facts",
 }  # fmt: skip
-CODER_FIELDS = {"task_source", "base_source", "step", "diagnosis", "last_failure", "precision", "device"}
+CODER_FIELDS = {
+    "task_source", "base_source", "step", "diagnosis", "last_failure", "precision", "device_facts",
+    "kb_sources", "user_messages",
+}  # fmt: skip
 
 
 def test_render_fills_fields() -> None:
@@ -621,7 +624,7 @@ def test_render_fills_fields() -> None:
     system, user = prompts.render("planner", **values)
     assert (system.role, user.role) == ("system", "user")
     assert "planner" in system.content and '"expected_gain": 1.3' in system.content  # braces unescaped
-    assert "<task_source>" in user.content and "<device>" in user.content
+    assert "<task_source>" in user.content and "<device_facts>" in user.content
     assert "keep it {fp32}" in user.content  # values are not formatted again
 
     system, user = prompts.render("coder", **{name: f"<{name}>" for name in CODER_FIELDS})

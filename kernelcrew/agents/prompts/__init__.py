@@ -18,6 +18,12 @@ CODER_RETRY = (
 )
 """The coder's second chance after an empty, refused, cut-off or code-less reply."""
 
+PLANNER_RETRY = (
+    "That answer was not valid ({problem}). Reply with one JSON object with the keys strategy, "
+    "rationale, expected_gain (a number > 0) and params."
+)
+"""The planner's second chance after an invalid, empty, refused or ruled-out answer."""
+
 
 @cache
 def _template(name: str) -> tuple[str, str]:
