@@ -258,9 +258,15 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     clock = time.monotonic()
     timed = time_candidate(state, ctx, draft)
     timed.phase_s = {**timed.phase_s, "timing": round(time.monotonic() - clock, 2)}
-    if timed.verdict == "pass" and state.baseline.ncu.get("available"):
-        # Nsight Compute on every verified candidate: the diagnosis reads the best's metrics, the
-        # planner's history every candidate's.
+    best = state.best
+    faster = timed.time_ms is not None and (
+        best is None or best.time_ms is None or timed.time_ms < best.time_ms
+    )
+    # Nsight Compute on each new fastest candidate (the next diagnosis reads its metrics) and, when a
+    # model plans, on every verified one (its history shows each candidate's); the playbook reads
+    # only the best's, so it does not pay a profile per step.
+    llm_plans = ctx.chat is not None and not state.llm_failure
+    if timed.verdict == "pass" and (faster or llm_plans) and state.baseline.ncu.get("available"):
         result = ctx.executor.profile(
             ctx.request(
                 ProfileRequest,
