@@ -28,13 +28,14 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     and_,
-    func,
     or_,
     select,
     update,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.util import identity_key
 
 from kernelcrew.knowledge_base.db import Base, transaction
 from kernelcrew.records import JobResult
@@ -90,6 +91,8 @@ class Job(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    event_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """The sequence number of the job's last event (0: none yet); see :func:`add_event`."""
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """A :class:`~kernelcrew.records.JobResult`'s JSON (read it with :meth:`outcome`)."""
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -213,11 +216,27 @@ def new_job_id() -> str:
 
 
 def add_event(session: Session, job_id: str, kind: str, data: dict[str, Any]) -> int:
-    """Append one event to the job's stream; returns its sequence number (1, 2, ...)."""
-    last = session.scalar(select(func.max(JobEvent.seq)).where(JobEvent.job_id == job_id)) or 0
-    session.add(JobEvent(job_id=job_id, seq=last + 1, type=kind, data=data))
+    """Append one event to the job's stream; returns its sequence number (1, 2, ...).
+
+    The number comes from the job's ``event_seq`` counter, incremented with ``UPDATE ...
+    RETURNING`` in the caller's transaction: the update locks the job's row until that transaction
+    ends (PostgreSQL; SQLite holds the database's write lock), so concurrent writers to one job
+    queue there and get consecutive numbers, and a rolled-back transaction takes its number back.
+    Events of one job therefore also become visible in their order, which the streams rely on.
+    """
+    seq = session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(event_seq=Job.event_seq + 1)
+        .returning(Job.event_seq)
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
+    loaded = session.identity_map.get(identity_key(Job, job_id))
+    if loaded is not None:  # keep a loaded row's counter true without reading it again
+        set_committed_value(loaded, "event_seq", seq)
+    session.add(JobEvent(job_id=job_id, seq=seq, type=kind, data=data))
     session.flush()
-    return last + 1
+    return seq
 
 
 def lease_job(engine: Engine, owner: str, lease_s: float, max_attempts: int = 5) -> Job | None:
