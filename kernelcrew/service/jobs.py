@@ -23,6 +23,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -76,6 +77,8 @@ class ApiToken(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
+    # a user's job list, newest first, read from the index without sorting
+    __table_args__ = (Index("ix_jobs_owner_id_created_at", "owner_id", "created_at"),)
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
@@ -200,10 +203,12 @@ def list_tokens(session: Session, user: str | None = None) -> list[tuple[ApiToke
 
 def authenticate(session: Session, token: str) -> tuple[ApiToken, User] | None:
     """The live token and its user, or None (unknown or revoked)."""
-    tok = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
-    if tok is None or tok.revoked_at is not None:
-        return None
-    return tok, session.get(User, tok.user_id)
+    found = session.execute(
+        select(ApiToken, User)
+        .join(User, User.id == ApiToken.user_id)
+        .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+    ).first()  # one query: every API request runs it
+    return None if found is None else (found[0], found[1])
 
 
 # ------------------------------------------------------------------------------------------------

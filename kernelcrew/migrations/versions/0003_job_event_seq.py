@@ -1,4 +1,5 @@
-"""Jobs count their events (``jobs.event_seq``), so concurrent writers get distinct sequence numbers.
+"""Jobs count their events (``jobs.event_seq``), so concurrent writers get distinct sequence numbers;
+an index on ``(owner_id, created_at)`` serves a user's job list, newest first.
 
 A plain ``ALTER TABLE ... ADD COLUMN`` with a server default on every database, SQLite included:
 no batch mode, which would copy ``jobs`` into a new table and drop the old one, and with foreign
@@ -27,7 +28,9 @@ def upgrade() -> None:
         "UPDATE jobs SET event_seq = COALESCE("
         "(SELECT MAX(job_events.seq) FROM job_events WHERE job_events.job_id = jobs.id), 0)"
     )
+    op.create_index("ix_jobs_owner_id_created_at", "jobs", ["owner_id", "created_at"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_jobs_owner_id_created_at", table_name="jobs")
     op.drop_column("jobs", "event_seq")
