@@ -83,7 +83,14 @@ _READ_SQL = {
         ORDER BY jobs.id, e.seq
     """,
 }
-_COLUMNS = {"id": String, "status": String, "event_seq": Integer, "seq": Integer, "type": String, "data": JSON}
+_COLUMNS = {
+    "id": String,
+    "status": String,
+    "event_seq": Integer,
+    "seq": Integer,
+    "type": String,
+    "data": JSON,
+}
 
 
 def read_new_events(engine: Engine, cursors: dict[str, int], per_job: int = PER_JOB) -> dict[str, JobState]:
