@@ -393,7 +393,9 @@ def probe(
     return {"latency": got, "errors": errors}
 
 
-def streams_round(url: str, engine: Any, seeded: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def streams_round(
+    url: str, pid: int, engine: Any, seeded: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     """``--streams`` open streams while events are written and the API is probed."""
     import multiprocessing as mp
 
@@ -421,6 +423,9 @@ def streams_round(url: str, engine: Any, seeded: dict[str, Any], args: argparse.
             i += 1
             time.sleep(1 / args.event_rate)
 
+    idle_cpu0 = cpu_s(pid)
+    time.sleep(5.0)  # the streams open, nothing else: what holding them costs the API
+    idle_cpu = (cpu_s(pid) - idle_cpu0) / 5.0
     w = threading.Thread(target=writer, daemon=True)
     w.start()
     sample_job = seeded["finished"][0]
@@ -445,6 +450,7 @@ def streams_round(url: str, engine: Any, seeded: dict[str, Any], args: argparse.
         "stream_errors": len(result["errors"]) + len(open_errors),
         "stream_error_samples": (open_errors + result["errors"])[:3],
         "stream_open": latency_summary(result["open_s"]),
+        "server_cpu_share_idle_streams": round(idle_cpu, 3),
         "events_written": sum(written.values()),
         "events_missing": missing,
         "probe_errors": probed["errors"][:3],
@@ -502,18 +508,21 @@ def read_clients(
     conn.send(asyncio.run(main()))
 
 
-def reads_round(url: str, seeded: dict[str, Any], args: argparse.Namespace, think_s: float) -> dict[str, Any]:
+def reads_round(
+    url: str, pid: int, seeded: dict[str, Any], args: argparse.Namespace, think_s: float
+) -> dict[str, Any]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    started, cpu0 = time.monotonic(), cpu_s(pid)
     proc = ctx.Process(
         target=read_clients, args=(url, seeded, args.clients, args.read_s, think_s, child), daemon=True
     )
-    started = time.monotonic()
     proc.start()
-    got = parent.recv()
+    got = parent.recv()  # the clients have finished their reads
     wall = time.monotonic() - started
+    cpu = cpu_s(pid) - cpu0
     proc.join(timeout=30)
     every = [v for values in got["latency"].values() for v in values]
     total = latency_summary(every)
@@ -522,6 +531,7 @@ def reads_round(url: str, seeded: dict[str, Any], args: argparse.Namespace, thin
         "requests": len(every),
         "requests_per_s": round(len(every) / args.read_s, 1),
         "wall_s": round(wall, 1),
+        "server_cpu_ms_per_request": round(1000 * cpu / max(1, len(every)), 2),
         "errors": len(got["errors"]),
         "error_samples": got["errors"][:3],
         "all": total,
@@ -569,7 +579,7 @@ def run_scale(args: argparse.Namespace, scenarios: list[str]) -> dict[str, Any]:
         wait_for(up, 90, "the API", poll_s=0.3)
         out: dict[str, Any] = {"server_version": server_version(engine)}
         if "streams" in scenarios:
-            rounds = [streams_round(url, engine, seeded, args) for _ in range(args.rounds)]
+            rounds = [streams_round(url, api.proc.pid, engine, seeded, args) for _ in range(args.rounds)]
             out["streams"] = {
                 "streams": args.streams,
                 "event_rate_per_s": args.event_rate,
@@ -581,7 +591,7 @@ def run_scale(args: argparse.Namespace, scenarios: list[str]) -> dict[str, Any]:
                 "target_ms": 100,
             }
         if "reads" in scenarios:
-            rounds = [reads_round(url, seeded, args, args.think_s) for _ in range(args.rounds)]
+            rounds = [reads_round(url, api.proc.pid, seeded, args, args.think_s) for _ in range(args.rounds)]
             out["reads"] = {
                 "clients": args.clients,
                 "think_s": args.think_s,
@@ -590,7 +600,7 @@ def run_scale(args: argparse.Namespace, scenarios: list[str]) -> dict[str, Any]:
                 "p99_ms": over_rounds(rounds, "p99_ms"),
                 "p50_ms": over_rounds(rounds, "p50_ms"),
                 "target_ms": 100,
-                "saturation": reads_round(url, seeded, args, 0.0),
+                "saturation": reads_round(url, api.proc.pid, seeded, args, 0.0),
             }
         return out
     finally:
@@ -599,6 +609,12 @@ def run_scale(args: argparse.Namespace, scenarios: list[str]) -> dict[str, Any]:
         engine.dispose()
         pg.drop(db_url)
         pg.admin.close()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_version(engine: Any) -> str:
@@ -644,6 +660,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"- `/healthz` p99: **{fmt_range(st['healthz_p99_ms'])} ms** (target < {st['target_ms']} ms); "
             f"p50 {fmt_range(st['healthz_p50_ms'])} ms",
             f"- `GET /jobs/{{id}}` p99: {fmt_range(st['job_get_p99_ms'])} ms",
+            "- the API process's CPU while only holding the streams (the poller's share of one core): "
+            + ", ".join(str(r["server_cpu_share_idle_streams"]) for r in st["rounds"]),
             "",
             "| round | streams open | stream errors | events written | missing | healthz p50 / p99 / max ms "
             "| healthz IQR ms | job get p50 / p99 ms |",
@@ -671,6 +689,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"p50 {fmt_range(rd['p50_ms'])} ms",
             f"- capacity (same clients, no think time): {sat['requests_per_s']} requests/s, "
             f"p50 {sat['all'].get('p50_ms')} ms, p99 {sat['all'].get('p99_ms')} ms, {sat['errors']} errors",
+            "- the API process's CPU per read (all rounds; saturation): "
+            + ", ".join(str(r["server_cpu_ms_per_request"]) for r in rd["rounds"])
+            + f"; {sat['server_cpu_ms_per_request']} ms",
             "",
             "| round | requests/s | errors | p50 ms | p99 ms | max ms | IQR ms | list p99 | get p99 | result p99 |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
