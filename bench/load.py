@@ -12,12 +12,12 @@ afterwards), seeded with users, tokens and jobs (a finished one per user with a 
   1.5x) between two requests of one client; a last round with no think time gives the capacity.
 
 Each scenario runs ``--rounds`` times; the result gives each round's p50 / p99 and their median and
-range. ``jobs`` (the whole service: orchestrator and a CPU worker too) has ``--clients`` clients
+range. ``jobs`` (the whole service: orchestrator and a CPU worker too) has ``--job-clients`` clients
 create ``--jobs`` small jobs each, poll them, stream their events to the end and list them, and
 counts jobs lost (created jobs not ended by ``--max-wall``, or missing from the database).
 
     python bench/load.py --out bench/results
-    python bench/load.py --scenarios jobs --clients 8 --jobs 2
+    python bench/load.py --scenarios jobs --job-clients 8 --jobs 2
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def run_jobs(args: argparse.Namespace) -> dict[str, Any]:
         with running_service(db_url, args.redis_url, logs, f"kcload{os.getpid()}") as svc:
             tokens = []
             with transaction(svc.engine) as s:
-                for i in range(args.clients):
+                for i in range(args.job_clients):
                     tokens.append(jobs.create_token(s, f"load{i}", ["submit", "read"])[1])
             rec, created = Recorder(), []
             started = time.monotonic()
@@ -234,7 +234,7 @@ def run_jobs(args: argparse.Namespace) -> dict[str, Any]:
                 t.join()
             wall = round(time.monotonic() - started, 1)
             return {
-                "clients": args.clients,
+                "clients": args.job_clients,
                 "jobs_per_client": args.jobs,
                 "wall_s": wall,
                 "load": summarize(rec, wall),
@@ -715,10 +715,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=500, help="open SSE streams (streams)")
     ap.add_argument("--event-rate", type=float, default=20, help="events written a second (streams)")
     ap.add_argument("--probe-s", type=float, default=20, help="seconds of probing per round (streams)")
-    ap.add_argument("--clients", type=int, default=50, help="readers (reads) or job clients (jobs)")
+    ap.add_argument("--clients", type=int, default=50, help="concurrent readers (reads)")
     ap.add_argument("--think-s", type=float, default=0.5, help="mean pause between a reader's requests")
     ap.add_argument("--read-s", type=float, default=20, help="seconds per round (reads)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--job-clients", type=int, default=8, help="clients creating jobs (jobs)")
     ap.add_argument("--jobs", type=int, default=2, help="jobs per client (jobs)")
     ap.add_argument("--poll-s", type=float, default=0.5)
     ap.add_argument("--max-wall", type=float, default=900, help="stop waiting for jobs after this")
@@ -745,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     if "jobs" in scenarios:
         report["jobs_run"] = run_jobs(args)
         res = report["jobs_run"]["jobs"]
-        ok = ok and not res["lost"] and res["created"] == args.clients * args.jobs
+        ok = ok and not res["lost"] and res["created"] == args.job_clients * args.jobs
     text = markdown(report)
     print(text)
     if args.out:

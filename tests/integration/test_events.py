@@ -435,3 +435,32 @@ def test_the_engine_helpers_do_not_leak_connections(server):
         ).scalar()
     probe.dispose()
     assert stuck == 0
+
+
+def test_streams_whose_clients_left_leave_the_hub(server):
+    """A client that goes away mid-stream (a closed tab) takes its stream out of the poller's set."""
+    from kernelcrew.service import events
+
+    job_id = new_job(server.engine, "ann", "running")
+
+    def open_streams() -> int:
+        return sum(h.open_streams for per_loop in list(events._hubs.values()) for h in per_loop.values())
+
+    async def scenario() -> int:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            path = f"{PREFIX}/jobs/{job_id}/events"
+            opened = []
+            for _ in range(10):
+                resp = await client.send(
+                    client.build_request("GET", path, headers=auth(server.token)), stream=True
+                )
+                assert resp.status_code == 200
+                opened.append(resp)
+            await asyncio.sleep(1.0)
+            during = open_streams()
+            for resp in opened:
+                await resp.aclose()
+            return during
+
+    assert asyncio.run(scenario()) == 10
+    wait_for(lambda: open_streams() == 0, 20, "the streams to leave the hub")
