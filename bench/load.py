@@ -171,8 +171,9 @@ def job_outcomes(engine: Any, created: list[str]) -> dict[str, Any]:
         verdicts: dict[str, int] = defaultdict(int)
         for job in rows.values():
             statuses[job.status] += 1
-            result = job.result or {}
-            outcome = result.get("verdict") or result.get("status") or job.error or "-"
+            found = job.outcome()
+            report = {} if found is None else found.report.model_dump(mode="json")
+            outcome = report.get("verdict") or report.get("status") or job.error or "-"
             verdicts[f"{job.mode}: {outcome}"[:80]] += 1
         lost = [j for j in created if j not in rows or rows[j].status not in ENDED]
     return {"created": len(created), "statuses": dict(statuses), "outcomes": dict(verdicts), "lost": lost}

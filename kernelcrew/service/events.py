@@ -6,7 +6,7 @@ an API process keeps answering with hundreds of streams open. The events come fr
 events of every watched job in one query per tick -- with each job's status and event counter, so
 a stream ends once its job has ended and every event up to the job's last is sent -- and hands
 them to the streams' asyncio queues. The poller runs while a stream is open and stops with the last
-one.
+one; a new stream wakes it, so its first events come at once.
 
 Sequence numbers of one job become visible in their order (:func:`kernelcrew.service.jobs.add_event`
 holds the job's row until its transaction ends), so "every event after the last one sent" is a
@@ -18,6 +18,7 @@ a proxy that the connection is alive and the server that the client is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import weakref
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 #: Seconds without an event after which a stream sends a keep-alive comment.
 KEEPALIVE_S = 15.0
+#: The least seconds between two reads: a new stream wakes the poller (its first events come at
+#: once, not a tick later), and a burst of new streams shares one read.
+MIN_GAP_S = 0.05
 #: The most events of one job read per tick (a stream that starts far behind catches up in steps).
 PER_JOB = 200
 
@@ -123,6 +127,7 @@ class EventHub:
         self.poll_s = poll_s
         self.watches: dict[str, set[Watch]] = {}
         self.task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()
         self.ticks = 0
         """Reads done so far (one query each)."""
 
@@ -130,6 +135,7 @@ class EventHub:
         """Follow ``job_id`` from the event after ``after``; the poller starts if it was idle."""
         watch = Watch(job_id, after)
         self.watches.setdefault(job_id, set()).add(watch)
+        self.wake.set()
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run(), name="kernelcrew-event-hub")
         return watch
@@ -148,8 +154,11 @@ class EventHub:
     async def _run(self) -> None:
         try:
             while self.watches:
+                self.wake.clear()
                 await self.tick()
-                await asyncio.sleep(self.poll_s)
+                await asyncio.sleep(min(MIN_GAP_S, self.poll_s))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), max(0.0, self.poll_s - MIN_GAP_S))
         except BaseException as exc:  # cancelled or a bug: no stream may wait forever on a dead hub
             for group in self.watches.values():
                 for watch in group:

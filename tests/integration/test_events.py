@@ -464,3 +464,26 @@ def test_streams_whose_clients_left_leave_the_hub(server):
 
     assert asyncio.run(scenario()) == 10
     wait_for(lambda: open_streams() == 0, 20, "the streams to leave the hub")
+
+
+def test_a_new_stream_wakes_the_poller(engine):
+    """A stream's first events come at once, not a tick later (here a 30 s tick)."""
+    first, second = new_job(engine, "wake", "running"), new_job(engine, "wake", "running")
+
+    async def scenario() -> tuple[list[Any], list[Any], float]:
+        hub = EventHub(engine, poll_s=30)
+        a = hub.subscribe(first, 0)
+        got_a = await asyncio.wait_for(a.queue.get(), 10)
+        await asyncio.sleep(0.2)  # the poller now waits out its tick
+        started = time.monotonic()
+        b = hub.subscribe(second, 0)
+        got_b = await asyncio.wait_for(b.queue.get(), 10)
+        waited = time.monotonic() - started
+        hub.unsubscribe(a)
+        hub.unsubscribe(b)
+        hub.task.cancel()
+        return got_a, got_b, waited
+
+    got_a, got_b, waited = asyncio.run(scenario())
+    assert [e[0] for e in got_a] == [1] and [e[0] for e in got_b] == [1]
+    assert waited < 10
