@@ -213,7 +213,8 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 @contextmanager
 def transaction(engine: Engine) -> Iterator[Session]:
     """One session in one transaction: committed on success, rolled back on any error."""
-    with session_factory(engine).begin() as session:
+    # a plain Session: a sessionmaker per call would build a new Session subclass every time
+    with Session(engine, expire_on_commit=False) as session, session.begin():
         yield session
 
 

@@ -23,18 +23,20 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
     UniqueConstraint,
     and_,
-    func,
     or_,
     select,
     update,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.util import identity_key
 
 from kernelcrew.knowledge_base.db import Base, transaction
 from kernelcrew.records import JobResult
@@ -75,6 +77,8 @@ class ApiToken(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
+    # a user's job list, newest first, read from the index without sorting
+    __table_args__ = (Index("ix_jobs_owner_id_created_at", "owner_id", "created_at"),)
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
@@ -90,6 +94,8 @@ class Job(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    event_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """The sequence number of the job's last event (0: none yet); see :func:`add_event`."""
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """A :class:`~kernelcrew.records.JobResult`'s JSON (read it with :meth:`outcome`)."""
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -197,10 +203,12 @@ def list_tokens(session: Session, user: str | None = None) -> list[tuple[ApiToke
 
 def authenticate(session: Session, token: str) -> tuple[ApiToken, User] | None:
     """The live token and its user, or None (unknown or revoked)."""
-    tok = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
-    if tok is None or tok.revoked_at is not None:
-        return None
-    return tok, session.get(User, tok.user_id)
+    found = session.execute(
+        select(ApiToken, User)
+        .join(User, User.id == ApiToken.user_id)
+        .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+    ).first()  # one query: every API request runs it
+    return None if found is None else (found[0], found[1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,11 +221,27 @@ def new_job_id() -> str:
 
 
 def add_event(session: Session, job_id: str, kind: str, data: dict[str, Any]) -> int:
-    """Append one event to the job's stream; returns its sequence number (1, 2, ...)."""
-    last = session.scalar(select(func.max(JobEvent.seq)).where(JobEvent.job_id == job_id)) or 0
-    session.add(JobEvent(job_id=job_id, seq=last + 1, type=kind, data=data))
+    """Append one event to the job's stream; returns its sequence number (1, 2, ...).
+
+    The number comes from the job's ``event_seq`` counter, incremented with ``UPDATE ...
+    RETURNING`` in the caller's transaction: the update locks the job's row until that transaction
+    ends (PostgreSQL; SQLite holds the database's write lock), so concurrent writers to one job
+    queue there and get consecutive numbers, and a rolled-back transaction takes its number back.
+    Events of one job therefore also become visible in their order, which the streams rely on.
+    """
+    seq = session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(event_seq=Job.event_seq + 1)
+        .returning(Job.event_seq)
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
+    loaded = session.identity_map.get(identity_key(Job, job_id))
+    if loaded is not None:  # keep a loaded row's counter true without reading it again
+        set_committed_value(loaded, "event_seq", seq)
+    session.add(JobEvent(job_id=job_id, seq=seq, type=kind, data=data))
     session.flush()
-    return last + 1
+    return seq
 
 
 def lease_job(engine: Engine, owner: str, lease_s: float, max_attempts: int = 5) -> Job | None:

@@ -33,7 +33,7 @@ def test_service_models_and_migration_head_agree(engine):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    assert head_revision() == "0002_service"
+    assert head_revision() == "0003_job_event_seq"
     assert current_revision(engine) == head_revision()
     assert {"users", "api_tokens", "jobs", "job_events", "job_messages"} <= set(Base.metadata.tables)
     with engine.connect() as conn:
