@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,32 +85,16 @@ def serve(
 
     from kernelcrew.api.app import create_app
     from kernelcrew.knowledge_base.db import get_engine
+    from kernelcrew.worker.supervisor import OrchestratorPool
 
     get_engine()  # migrate once before the children start
     cmd = [sys.executable, "-m", "kernelcrew", "orchestrator", *(["--local"] if local else [])]
-    children = [subprocess.Popen(cmd, preexec_fn=_die_with_parent) for _ in range(orchestrators)]
-    try:
-        uvicorn.run(create_app(), host=host, port=port, log_level="info")
-    finally:
-        for child in children:
-            child.terminate()
-        for child in children:
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-
-
-def _die_with_parent() -> None:
-    """Linux: the orchestrator gets SIGTERM when `serve` exits by any means (uvicorn re-raises the
-    SIGTERM it handled, which ends the process before a ``finally`` could stop the children)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    # The orchestrators get SIGTERM when `serve` exits by any means (uvicorn re-raises the SIGTERM
+    # it handled, which ends the process before the pool could stop them); one that dies is restarted.
+    with OrchestratorPool(cmd, orchestrators) as pool:
+        app = create_app()
+        app.state.orchestrators = pool if orchestrators else None  # what /readyz reports
+        uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 def submit(

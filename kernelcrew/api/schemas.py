@@ -76,11 +76,14 @@ class Health(BaseModel):
 
 
 class Readiness(BaseModel):
-    """Whether the database and the broker answer; each check is ``ok`` or ``error: <reason>``."""
+    """Whether the database and the broker answer, and the orchestrators run where this process
+    supervises them (``kernelcrew serve --orchestrators N``); each check is ``ok`` (or how many
+    run) or ``error: <reason>``."""
 
     ok: bool
     database: str
     broker: str
+    orchestrators: str | None = None
 
 
 # -- jobs ---------------------------------------------------------------------------------------

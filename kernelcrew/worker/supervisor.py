@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -261,3 +262,98 @@ def _describe_exit(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
+
+
+class OrchestratorPool:
+    """``kernelcrew serve``'s orchestrator children, restarted when one dies, on a thread of its own.
+
+    An orchestrator that exits while the pool runs is started again after :func:`backoff_s` (doubling
+    while it keeps failing within ``stable_s``); the job it held is leased again once its lease
+    expires and resumes from its checkpoint. :meth:`status` is what ``/readyz`` reports.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        count: int,
+        *,
+        initial_backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        stable_s: float = 60.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.command = list(command)
+        self.procs: list[subprocess.Popen | None] = [None] * count
+        self.started = [0.0] * count
+        self.failures = [0] * count
+        self.restart_at = [0.0] * count
+        self.restarts = 0
+        self.initial_backoff_s, self.max_backoff_s = initial_backoff_s, max_backoff_s
+        self.stable_s, self.poll_s = stable_s, poll_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="orchestrator-pool", daemon=True)
+
+    def __enter__(self) -> OrchestratorPool:
+        for i in range(len(self.procs)):
+            self._start(i)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start(self, i: int) -> None:
+        proc = subprocess.Popen(
+            self.command,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM),
+        )
+        with self._lock:
+            self.procs[i], self.started[i] = proc, time.monotonic()
+        log.info("started orchestrator %d (pid %d)", i, proc.pid)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            now = time.monotonic()
+            for i, proc in enumerate(self.procs):
+                if proc is not None and (code := proc.poll()) is not None:
+                    ran = now - self.started[i]
+                    self.failures[i] = 1 if ran >= self.stable_s else self.failures[i] + 1
+                    delay = backoff_s(
+                        self.failures[i], initial_s=self.initial_backoff_s, max_s=self.max_backoff_s
+                    )
+                    with self._lock:
+                        self.procs[i], self.restart_at[i] = None, now + delay
+                    log.warning(
+                        "orchestrator %d exited (%s) after %.1f s; restarting in %.1f s",
+                        i,
+                        _describe_exit(code),
+                        ran,
+                        delay,
+                    )
+                elif proc is None and now >= self.restart_at[i] and not self._stop.is_set():
+                    self._start(i)
+                    self.restarts += 1
+
+    def status(self) -> tuple[bool, str]:
+        """``(ready, how)``: ready while at least one orchestrator runs (jobs make progress)."""
+        with self._lock:
+            alive = sum(p is not None and p.poll() is None for p in self.procs)
+        how = f"{alive} of {len(self.procs)} running, {self.restarts} restarted"
+        return alive > 0, how if alive else f"error: {how}"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop supervising, then SIGTERM the orchestrators (SIGKILL after ``timeout_s``)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for proc in live:
+            proc.terminate()
+        for proc in live:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -230,3 +230,51 @@ def test_a_short_load_loses_no_job_and_gets_no_error(faulty):
     outcome = job_outcomes(svc.engine, created)
     assert outcome["created"] == 2 and outcome["lost"] == [] and outcome["statuses"] == {"succeeded": 2}
     assert len(rec.latency["GET /jobs/{id}/events (first line)"]) == 2
+
+
+def test_serve_restarts_an_orchestrator_killed_mid_job_and_readiness_tells(faulty):
+    """``kernelcrew serve --orchestrators 1`` beside the service: its orchestrator, killed with
+    SIGKILL while a job runs (on it or on the service's other orchestrator), is started again and
+    ``/readyz`` says so; the job ends once, with its verdict."""
+    import os
+    import signal
+
+    import httpx
+
+    from tests.integration.test_service import free_port
+    from tests.integration.test_worker import alive, descendants
+
+    svc, _, _ = faulty
+    port = free_port()
+    serve = svc.start("serve-supervising", ["serve", "--port", str(port), "--orchestrators", "1"])
+    ready_url = f"http://127.0.0.1:{port}/readyz"
+
+    def readiness() -> dict | None:
+        try:
+            return httpx.get(ready_url, timeout=2).json()
+        except httpx.HTTPError:
+            return None
+
+    def orchestrators() -> list[int]:
+        return [
+            pid
+            for pid in descendants(serve.proc.pid)
+            if alive(pid) and b"orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+
+    try:
+        wait_for(lambda: (r := readiness()) and r["ok"], 90, "serve ready", poll_s=0.3)
+        assert readiness()["orchestrators"] == "1 of 1 running, 0 restarted"
+        [first] = wait_for(orchestrators, 30, "serve's orchestrator")
+        job_id = submit(svc)
+        wait_running(svc, job_id)
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: readiness()["orchestrators"] == "1 of 1 running, 1 restarted", 60, "a restart")
+        assert first not in orchestrators()
+        job = finished(svc, job_id)
+        assert job["status"] == "succeeded", job
+        assert (result := verdict(svc, job_id))["verdict"] == "pass", result
+    finally:
+        serve.kill(signal.SIGTERM)
+        svc.procs.pop("serve-supervising", None)
+    assert unverified_wins(svc.engine) == []

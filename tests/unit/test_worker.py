@@ -423,3 +423,33 @@ def test_the_graph_and_the_cli_never_import_celery():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_serves_orchestrators_are_restarted_when_killed_and_readiness_says_so():
+    """``serve``'s pool: a child killed with SIGKILL is started again after its backoff; while none
+    runs the pool is not ready and says why; stopping ends the children and restarts nothing."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from kernelcrew.worker.supervisor import OrchestratorPool
+
+    cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
+    pool = OrchestratorPool(cmd, 1, initial_backoff_s=1.5, poll_s=0.05)
+    with pool:
+        assert pool.status() == (True, "1 of 1 running, 0 restarted")
+        first = pool.procs[0]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        ready, how = pool.status()
+        assert not ready and how == "error: 0 of 1 running, 0 restarted"
+        deadline = time.monotonic() + 20
+        while pool.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.status() == (True, "1 of 1 running, 1 restarted")
+        second = pool.procs[0]
+        assert second is not None and second.pid != first.pid
+    assert second.poll() is not None, "stopping the pool ends its orchestrators"
+    time.sleep(0.2)
+    assert pool.restarts == 1 and pool.procs[0] is second

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
@@ -23,14 +23,22 @@ def read_health() -> Health:
     response_model=Readiness,
     responses={
         **errors(422),
-        503: {"model": Readiness, "description": "The database or the broker does not answer."},
+        503: {
+            "model": Readiness,
+            "description": "The database or the broker does not answer, or no orchestrator runs.",
+        },
     },
 )
-def read_readiness(engine: EngineDep, settings: SettingsDep) -> JSONResponse:
-    """Whether the database and the broker answer: 200 when both do, 503 naming what failed."""
+def read_readiness(request: Request, engine: EngineDep, settings: SettingsDep) -> JSONResponse:
+    """Whether the database and the broker answer and, where ``serve`` supervises orchestrators, at
+    least one runs: 200 when all hold, 503 naming what failed."""
     from kernelcrew.worker import store
 
     checks: dict[str, str] = {}
+    pool = getattr(request.app.state, "orchestrators", None)
+    ready = True
+    if pool is not None:
+        ready, checks["orchestrators"] = pool.status()
     try:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
@@ -42,5 +50,5 @@ def read_readiness(engine: EngineDep, settings: SettingsDep) -> JSONResponse:
         checks["broker"] = "ok"
     except Exception as exc:
         checks["broker"] = f"error: {exc}"
-    ready = Readiness(ok=all(v == "ok" for v in checks.values()), **checks)
-    return JSONResponse(ready.model_dump(), status_code=200 if ready.ok else 503)
+    answer = Readiness(ok=ready and checks["database"] == checks["broker"] == "ok", **checks)
+    return JSONResponse(answer.model_dump(), status_code=200 if answer.ok else 503)
