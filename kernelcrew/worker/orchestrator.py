@@ -33,7 +33,12 @@ log = logging.getLogger(__name__)
 
 
 class JobCancelled(Exception):
-    """The job's owner cancelled it; raised between steps."""
+    """The job's owner cancelled it; raised between steps, carrying what the job keeps (its best
+    verified candidate so far, when it has one)."""
+
+    def __init__(self, job_id: str, result: JobResult | None = None) -> None:
+        super().__init__(job_id)
+        self.result = result
 
 
 class LeaseLost(Exception):
@@ -108,8 +113,8 @@ class Orchestrator:
         try:
             result = self._verify(job, lost) if job.mode == "verify" else self._optimize(job, lost)
             status = "succeeded"
-        except JobCancelled:
-            status, error = "cancelled", "cancelled by its owner"
+        except JobCancelled as exc:
+            status, result, error = "cancelled", exc.result, "cancelled by its owner"
         except LeaseLost:
             log.warning("job %s: lease lost, another orchestrator resumes it", job.id)
             return
@@ -197,7 +202,7 @@ class Orchestrator:
             executor.close()
 
     def _optimize(self, job: jobs.Job, lost: threading.Event) -> JobResult | None:
-        from kernelcrew.agents.run import OptimizeRequest, run_optimize
+        from kernelcrew.agents.run import OptimizeRequest, report_so_far, run_optimize
         from kernelcrew.task import TaskError
 
         opts = job.options
@@ -235,6 +240,7 @@ class Orchestrator:
 
         buffer = io.StringIO()
         with ExitStack() as stack:
+            checkpointer = checkpointer_for(self.settings, stack)
             try:
                 report = run_optimize(
                     req,
@@ -244,10 +250,23 @@ class Orchestrator:
                     executor=self._executor(job),
                     on_event=lambda e: self._event(job.id, str(e.get("kind", "event")), e),
                     thread_id=job.id,
-                    checkpointer=checkpointer_for(self.settings, stack),
+                    checkpointer=checkpointer,
                 )
             except TaskError as exc:
                 raise RuntimeError(str(exc)) from exc
+            except JobCancelled:
+                # the run stopped between steps: it keeps the best it verified so far
+                kept = report_so_far(job.id, checkpointer, job_dir, "cancelled by its owner")
+                if kept is None:
+                    raise
+                report, best_py = kept
+                markdown = job_dir / "report.md"
+                result = JobResult(
+                    report=report,
+                    best_source=best_py,
+                    report_md=markdown.read_text() if markdown.exists() else None,
+                )
+                raise JobCancelled(job.id, result) from None
         if report is None:
             return None
         best, markdown = job_dir / "best.py", job_dir / "report.md"

@@ -1,0 +1,79 @@
+"""Cancelling a running optimize job keeps its best verified candidate (a real crew on CPU, SQLite).
+
+The orchestrator runs the playbook with a LocalExecutor; the owner cancels as the API does (the
+job's ``cancel_requested``) once a step has verified a new best, and the job ends cancelled with
+that candidate as its result, its report and its ``best.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from kernelcrew.api.app import create_app
+from kernelcrew.config import Settings
+from kernelcrew.knowledge_base.db import get_engine, transaction
+from kernelcrew.service import jobs
+from kernelcrew.worker.orchestrator import Orchestrator
+from tests.conftest import FIXTURES
+
+TASK = (FIXTURES / "tasks" / "pointwise.py").read_text()
+OPTIONS = {"device": "cpu", "backend": "playbook", "max_iters": 4, "quick": True, "compile_modes": "none",
+           "use_kb": False, "precision": "strict", "time_budget_s": 900}  # fmt: skip
+
+
+def cancel_after_a_new_best(engine, job_id: str, stop: threading.Event) -> None:
+    """What the owner does: cancel (as ``POST /jobs/{id}/cancel``) once a step made a new best."""
+    while not stop.wait(0.05):
+        with transaction(engine) as s:
+            data = s.scalars(
+                select(jobs.JobEvent.data).where(
+                    jobs.JobEvent.job_id == job_id, jobs.JobEvent.type == "decide"
+                )
+            ).all()
+            if any(d.get("new_best") for d in data):
+                s.get(jobs.Job, job_id).cancel_requested = True
+                return
+
+
+def test_a_cancelled_optimize_job_keeps_and_returns_its_verified_best(tmp_path):
+    settings = Settings(data_dir=tmp_path, broker_url="redis://127.0.0.1:1/0")
+    engine = get_engine(settings)
+    with transaction(engine) as s:
+        token = jobs.create_token(s, "ann", ["submit", "read"])[1]
+        owner = s.scalar(select(jobs.User.id).where(jobs.User.name == "ann"))
+        job = jobs.Job(id=jobs.new_job_id(), owner_id=owner, status="queued", mode="optimize",
+                       task_source=TASK, options=OPTIONS)  # fmt: skip
+        s.add(job)
+        job_id = job.id
+    stop = threading.Event()
+    owner_thread = threading.Thread(target=cancel_after_a_new_best, args=(engine, job_id, stop), daemon=True)
+    owner_thread.start()
+    started = time.time()
+    try:
+        Orchestrator(settings, local=True).run_forever(once=True)
+    finally:
+        stop.set()
+        owner_thread.join(timeout=5)
+
+    with transaction(engine) as s:
+        job = s.get(jobs.Job, job_id)
+        assert job.status == "cancelled", (job.status, job.error)
+        outcome = job.outcome()
+        events = [e.type for e in s.scalars(select(jobs.JobEvent).where(jobs.JobEvent.job_id == job_id))]
+    assert outcome is not None, f"the cancelled job kept nothing ({time.time() - started:.0f} s)"
+    report = outcome.report
+    assert report.best is not None and report.stop_reason == "cancelled by its owner"
+    assert len(report.iterations) < OPTIONS["max_iters"]  # it stopped early, at the cancel
+    assert "ModelNew" in outcome.best_source and outcome.report_md
+    assert events.count("plan") == len(report.iterations)
+
+    client = TestClient(create_app(settings))  # what the owner gets back
+    client.headers["authorization"] = f"Bearer {token}"
+    body = client.get(f"/api/v1/jobs/{job_id}/result").json()
+    assert body["status"] == "cancelled" and body["verdict"] == "pass"
+    assert body["best_source"] == outcome.best_source
+    assert body["result"]["best"]["id"] == report.best.id
