@@ -83,7 +83,7 @@ def run_optimize(
     req: OptimizeRequest,
     *,
     console: Console | None = None,
-    ask: Callable[[int], str] | None = None,
+    ask: Callable[[int], str | list[str]] | None = None,
     settings: Settings | None = None,
     executor: Any = None,
     chat: Any = None,
@@ -246,11 +246,16 @@ def open_kb(settings: Settings) -> Any:
         ) from exc
 
 
-def _chat_turn(graph: Any, config: dict[str, Any], ctx: CrewContext, ask: Callable[[int], str]) -> None:
+def _chat_turn(
+    graph: Any, config: dict[str, Any], ctx: CrewContext, ask: Callable[[int], str | list[str]]
+) -> None:
+    """Ask for the messages posted since the last step (one, or a list kept one per message) and
+    run the next step with them."""
     values = graph.get_state(config).values
-    message = ask(values["steps_used"] + 1).strip()
-    if message:
-        graph.update_state(config, {"user_messages": [*values["user_messages"], message]})
+    answer = ask(values["steps_used"] + 1)
+    messages = [m.strip() for m in ([answer] if isinstance(answer, str) else answer) if m.strip()]
+    if messages:
+        graph.update_state(config, {"user_messages": [*values["user_messages"], *messages]})
     graph.invoke(None, config, context=ctx)
 
 

@@ -231,12 +231,12 @@ class Orchestrator:
             use_kb=bool(opts.get("use_kb", False)),
         )
 
-        def between_steps(step: int) -> str:
+        def between_steps(step: int) -> list[str]:
             self._check(job.id, lost)
             messages = jobs.take_messages(self.engine, job.id)
             if messages:
                 self._event(job.id, "message_taken", {"step": step, "messages": messages})
-            return "\n".join(messages)
+            return messages
 
         buffer = io.StringIO()
         with ExitStack() as stack:

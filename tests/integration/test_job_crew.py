@@ -1,4 +1,4 @@
-"""Cancelling a running optimize job keeps its best verified candidate (a real crew on CPU, SQLite).
+"""A service job's crew on CPU (SQLite, the playbook): cancel keeps the verified best; chat stays a list.
 
 The orchestrator runs the playbook with a LocalExecutor; the owner cancels as the API does (the
 job's ``cancel_requested``) once a step has verified a new best, and the job ends cancelled with
@@ -77,3 +77,25 @@ def test_a_cancelled_optimize_job_keeps_and_returns_its_verified_best(tmp_path):
     assert body["status"] == "cancelled" and body["verdict"] == "pass"
     assert body["best_source"] == outcome.best_source
     assert body["result"]["best"]["id"] == report.best.id
+
+
+def test_chat_messages_taken_between_steps_stay_one_per_message(tmp_path):
+    """Two messages posted before a step reach the crew as two messages, not one joined with a newline."""
+    from kernelcrew.agents.graph import compile_graph, sqlite_checkpointer
+    from kernelcrew.agents.run import OptimizeRequest, run_optimize
+
+    settings = Settings(data_dir=tmp_path / "data")
+    (tmp_path / "task.py").write_text(TASK)
+    req = OptimizeRequest(task=tmp_path / "task.py", device="cpu", max_iters=1, quick=True,
+                          compile_modes="none", backend="playbook", use_kb=False, out=tmp_path / "out")  # fmt: skip
+    asked: list[int] = []
+
+    def between_steps(step: int) -> list[str]:
+        asked.append(step)
+        return ["keep fp32", "only triton"] if step == 1 else []
+
+    report = run_optimize(req, ask=between_steps, settings=settings, thread_id="chat-list")
+    assert report is not None and asked == [1]
+    saver = sqlite_checkpointer(settings.data_dir / "checkpoints.sqlite")
+    values = compile_graph(saver).get_state({"configurable": {"thread_id": "chat-list"}}).values
+    assert values["user_messages"] == ["keep fp32", "only triton"]
