@@ -251,6 +251,7 @@ class Orchestrator:
                     on_event=lambda e: self._event(job.id, str(e.get("kind", "event")), e),
                     thread_id=job.id,
                     checkpointer=checkpointer,
+                    kb=self._knowledge_base(job) if req.use_kb else None,
                 )
             except TaskError as exc:
                 raise RuntimeError(str(exc)) from exc
@@ -275,6 +276,16 @@ class Orchestrator:
             best_source=best.read_text() if best.exists() else None,
             report_md=markdown.read_text() if markdown.exists() else None,
         )
+
+    def _knowledge_base(self, job: jobs.Job) -> Any:
+        """The knowledge base as the job's owner: the hits are what they may see, and the win the job
+        records is theirs (private to them), not the orchestrator's OS user's."""
+        from kernelcrew.knowledge_base import KnowledgeBase
+
+        with transaction(self.engine) as s:
+            user = s.get(jobs.User, job.owner_id)
+            name, team = user.name, user.team
+        return KnowledgeBase.open(self.settings, owner=name, team=team or "")
 
     def _webhook(self, job: jobs.Job, status: str, result: JobResult | None, error: str | None) -> None:
         url = (job.options or {}).get("webhook_url")

@@ -99,3 +99,34 @@ def test_chat_messages_taken_between_steps_stay_one_per_message(tmp_path):
     saver = sqlite_checkpointer(settings.data_dir / "checkpoints.sqlite")
     values = compile_graph(saver).get_state({"configurable": {"thread_id": "chat-list"}}).values
     assert values["user_messages"] == ["keep fp32", "only triton"]
+
+
+def test_a_jobs_knowledge_base_win_belongs_to_the_user_who_submitted_it(tmp_path):
+    """The win is recorded as the job's owner (private to them), not as the orchestrator's OS user."""
+    from kernelcrew.knowledge_base import KnowledgeBase, Reader
+
+    # the orchestrator's own knowledge-base identity (its OS user, or KERNELCREW_KB_OWNER)
+    settings = Settings(
+        data_dir=tmp_path, broker_url="redis://127.0.0.1:1/0", kb_owner="orchestrator-os-user"
+    )
+    engine = get_engine(settings)
+    with transaction(engine) as s:
+        jobs.create_token(s, "ann", ["submit", "read"])
+        owner = s.scalar(select(jobs.User.id).where(jobs.User.name == "ann"))
+        job = jobs.Job(id=jobs.new_job_id(), owner_id=owner, status="queued", mode="optimize", task_source=TASK,
+                       options={**OPTIONS, "max_iters": 1, "use_kb": True})  # fmt: skip
+        s.add(job)
+        job_id = job.id
+    Orchestrator(settings, local=True).run_forever(once=True)
+    with transaction(engine) as s:
+        job = s.get(jobs.Job, job_id)
+        assert job.status == "succeeded", job.error
+        recorded = job.outcome().report.knowledge_base["recorded"]
+    assert recorded and recorded.get("id"), recorded
+
+    def win_for(user: str):
+        return KnowledgeBase(engine, Reader(user)).get(recorded["id"])
+
+    win = win_for("ann")
+    assert win is not None and win["owner"] == "ann" and win["visibility"] == "private"
+    assert win_for("orchestrator-os-user") is None and win_for("bob") is None
