@@ -85,7 +85,7 @@ def run_optimize(
     req: OptimizeRequest,
     *,
     console: Console | None = None,
-    ask: Callable[[int], str] | None = None,
+    ask: Callable[[int], str | list[str]] | None = None,
     settings: Settings | None = None,
     executor: Any = None,
     chat: Any = None,
@@ -201,6 +201,42 @@ def run_optimize(
     return report
 
 
+def report_so_far(
+    thread_id: str, checkpointer: Any, out_dir: Path, stop_reason: str
+) -> tuple[Report, str | None] | None:
+    """The report of a run stopped between steps (its job was cancelled) and its ``best.py``: the best
+    verified candidate of the last checkpoint, timed as its step timed it (no final timing), so a
+    cancel keeps what the run verified. None when the run has no baseline yet.
+    """
+    from kernelcrew.agents.report import build_report, deliverable, write_report
+    from kernelcrew.records import FinalTiming
+
+    config = {"configurable": {"thread_id": thread_id}}
+    values = compile_graph(checkpointer).get_state(config).values
+    if not values or values.get("baseline") is None:
+        return None
+    state = CrewState(**{**values, "stop_reason": stop_reason})
+    best, final = state.best, None
+    if best is not None:
+        ci = best.speedup_eager_ci or [None, None]
+        final = FinalTiming(
+            clock=state.baseline.clock,
+            eager_ms=state.baseline.eager_ms,
+            compile_ms=state.baseline.compile_ms,
+            best_ms=best.time_ms,
+            speedup_eager=best.speedup_eager,
+            speedup_eager_ci=list(ci),
+            significant=best.significant,
+        )
+    ctx = CrewContext(executor=None, chat=None, meter=None, out_dir=out_dir, run_id=thread_id)
+    report = build_report(state, final, ctx)
+    best_py = None
+    if best is not None and report.best is not None:
+        best_py, report.best.packaging = deliverable(best.source, best.source_kind)
+    write_report(out_dir, report, best_py)
+    return report, best_py
+
+
 def _spent_s(values: dict[str, Any]) -> float:
     """Seconds a finished run has used: its report's total (final timing included) when it has one."""
     report = values.get("report")
@@ -222,11 +258,16 @@ def open_kb(settings: Settings) -> Any:
         ) from exc
 
 
-def _chat_turn(graph: Any, config: dict[str, Any], ctx: CrewContext, ask: Callable[[int], str]) -> None:
+def _chat_turn(
+    graph: Any, config: dict[str, Any], ctx: CrewContext, ask: Callable[[int], str | list[str]]
+) -> None:
+    """Ask for the messages posted since the last step (one, or a list kept one per message) and
+    run the next step with them."""
     values = graph.get_state(config).values
-    message = ask(values["steps_used"] + 1).strip()
-    if message:
-        graph.update_state(config, {"user_messages": [*values["user_messages"], message]})
+    answer = ask(values["steps_used"] + 1)
+    messages = [m.strip() for m in ([answer] if isinstance(answer, str) else answer) if m.strip()]
+    if messages:
+        graph.update_state(config, {"user_messages": [*values["user_messages"], *messages]})
     graph.invoke(None, config, context=ctx)
 
 

@@ -125,6 +125,17 @@ class JobPublic(BaseModel):
     created_at: UtcDatetime | None
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None
+    task_name: str = Field(
+        description="The task's title: its docstring's first line, else its Model's, else what its forward calls."
+    )
+    verdict: Literal["pass", "fail", "none"] = Field(
+        description="pass: the job returns a verified answer; fail: it ended without one (its candidate "
+        "failed the check, or no candidate passed); none: not ended, or ended without a result."
+    )
+    speedup: float | None = Field(description="The answer's median speedup over eager.")
+    speedup_ci: list[float] | None = Field(description="Its 95% interval [low, high], when measured.")
+    cpu_timing: bool = Field(description="The speedup is a CPU wall-clock timing, not a GPU speedup.")
+    answer_kind: str | None = Field(description="What the answer is: kernel, hybrid, library or compiler.")
 
 
 class JobsPublic(BaseModel):

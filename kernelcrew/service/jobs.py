@@ -40,6 +40,7 @@ from sqlalchemy.orm.util import identity_key
 
 from kernelcrew.knowledge_base.db import Base, transaction
 from kernelcrew.records import JobResult
+from kernelcrew.service.summary import summarize
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 ENDED = ("succeeded", "failed", "cancelled")
@@ -123,6 +124,7 @@ class Job(Base):
             "created_at": iso(self.created_at),
             "started_at": iso(self.started_at),
             "finished_at": iso(self.finished_at),
+            **summarize(self.task_source, self.outcome()).to_dict(),
         }
 
 

@@ -48,7 +48,7 @@ from kernelcrew.web.auth import (
     set_cookie,
     viewer_of,
 )
-from kernelcrew.web.code import highlight_css, highlight_python, unified_diff
+from kernelcrew.web.code import highlight_css, highlight_python, replaced_part, unified_diff
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).parent / "templates")
 TEMPLATES.env.filters["num"] = lambda v, fmt="{:.3g}": "-" if v is None else fmt.format(v)
@@ -56,6 +56,7 @@ TEMPLATES.env.filters["pct"] = lambda v: "-" if v is None else f"{v:.1%}"
 TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
 
 BACKENDS = ("auto", *LLM_BACKENDS)
+VERDICTS = ("pass", "fail", "none")
 FORM_OPTION_FIELDS = ("backend", "model", "max_iters", "time_budget_s", "precision", "compile_modes")
 
 
@@ -120,20 +121,31 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
     def read_home() -> Response:
         return RedirectResponse("/jobs", status_code=303)
 
-    def user_rows(viewer: Viewer) -> list[views.JobRow]:
+    def user_rows(viewer: Viewer, status: str, verdict: str) -> list[views.JobRow]:
+        """The viewer's newest 100 jobs (of ``status``, when given) with ``verdict``, when given: the
+        verdict is read from each job's stored result, so it filters the page, not the query."""
+        query = select(jobs.Job).where(jobs.Job.owner_id == viewer.who.user_id)
+        if status:
+            query = query.where(jobs.Job.status == status)
         with transaction(engine) as session:
-            rows = session.scalars(
-                select(jobs.Job)
-                .where(jobs.Job.owner_id == viewer.who.user_id)
-                .order_by(jobs.Job.created_at.desc())
-                .limit(100)
-            ).all()
-            return [views.job_row(r) for r in rows]
+            rows = session.scalars(query.order_by(jobs.Job.created_at.desc()).limit(100)).all()
+            return [r for r in map(views.job_row, rows) if not verdict or r.verdict == verdict]
 
     @router.get("/jobs", response_class=HTMLResponse)
-    def read_jobs(request: Request) -> Response:
+    def read_jobs(request: Request, status: str = "", verdict: str = "") -> Response:
         viewer = require_viewer(request, engine)
-        return page(request, "jobs.html", viewer, rows=user_rows(viewer))
+        status = status if status in jobs.STATUSES else ""
+        verdict = verdict if verdict in VERDICTS else ""
+        return page(
+            request,
+            "jobs.html",
+            viewer,
+            rows=user_rows(viewer, status, verdict),
+            statuses=jobs.STATUSES,
+            verdicts=VERDICTS,
+            filter_status=status,
+            filter_verdict=verdict,
+        )
 
     @router.get("/jobs/stream")
     def stream_jobs(request: Request) -> StreamingResponse:
@@ -445,26 +457,32 @@ def job_events(session: Any, job_id: str) -> list[tuple[int, str, dict[str, Any]
 
 
 def job_context(job: jobs.Job, events: list[tuple[int, str, dict[str, Any]]]) -> dict[str, Any]:
-    """Everything the job page shows, live parts from the events and the evidence from the report."""
+    """Everything the job page shows, live parts from the events and the evidence from the report.
+
+    The answer is an optimize job's best source, or a verify job's candidate (shown with its verdict).
+    """
     outcome = job.outcome()
     report = views.public_result(outcome)
     progress = views.progress_of(events)
-    best_source = outcome.best_source if outcome is not None else None
-    speedup, cpu_timing = views.best_speedup(outcome)
+    row = views.job_row(job)
+    if job.mode == "verify":
+        answer = job.candidate_source
+    else:
+        answer = outcome.best_source if outcome is not None else None
     return {
         "job": job,
-        "row": views.job_row(job),
+        "row": row,
         "ended": job.status in jobs.ENDED,
         "report": report,
         "progress": progress,
         "evidence": views.evidence(report, progress, job.mode),
-        "speedup": speedup,
-        "cpu_timing": cpu_timing,
+        "speedup": row.speedup,
+        "cpu_timing": row.cpu_timing,
         "task_code": highlight_python(job.task_source),
-        "best_code": highlight_python(best_source) if best_source else None,
-        "diff": unified_diff(job.task_source, best_source, ("reference (task.py)", "best.py"))
-        if best_source
-        else [],
+        "best_code": highlight_python(answer) if answer else None,
+        "replaced": replaced_part(job.task_source, answer) if answer else None,
+        "diff": unified_diff(job.task_source, answer, ("reference (task.py)", "answer.py")) if answer else [],
+        "has_best_py": bool(job.mode == "optimize" and answer),
         "has_report_md": bool(outcome is not None and outcome.report_md),
     }
 

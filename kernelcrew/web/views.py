@@ -7,28 +7,14 @@ timings, speed of light, Nsight Compute, the best source) comes from the report.
 
 from __future__ import annotations
 
-import ast
-import hashlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from kernelcrew.agents.report import _NCU_ROWS, _stalls
-from kernelcrew.records import JobResult, Report, VerifyOutcome
-from kernelcrew.task import parse_python
+from kernelcrew.records import JobResult, Report
+from kernelcrew.service.summary import summarize
 from kernelcrew.web.charts import Chart, Series, roofline_chart, time_chart
-
-
-def task_name(source: str) -> str:
-    """The first line of the task's docstring; else a short hash, so two tasks are told apart."""
-    try:
-        doc = ast.get_docstring(parse_python(source)) or ""
-    except SyntaxError:
-        doc = ""
-    first = doc.strip().splitlines()[0] if doc.strip() else ""
-    if first:
-        return first if len(first) <= 80 else first[:77] + "..."
-    return "task " + hashlib.sha256(source.encode()).hexdigest()[:8]
 
 
 def age(when: datetime | None, now: datetime | None = None) -> str:
@@ -57,17 +43,6 @@ def target_of(options: dict[str, Any], outcome: JobResult | None) -> str:
     return options.get("gpu") or "any GPU"
 
 
-def best_speedup(outcome: JobResult | None) -> tuple[float | None, bool]:
-    """The best speedup over eager and whether it is a CPU timing (never a GPU speedup)."""
-    report = outcome.report if outcome is not None else None
-    if isinstance(report, Report) and report.best is not None and report.best.speedup_eager is not None:
-        return report.best.speedup_eager, report.best.clock == "cpu-wall" or report.device == "cpu"
-    if isinstance(report, VerifyOutcome) and report.speedup is not None:
-        clock = (report.timing.clock if report.timing else None) or ""
-        return report.speedup, clock == "cpu-wall"
-    return None, False
-
-
 @dataclass
 class JobRow:
     id: str
@@ -75,22 +50,29 @@ class JobRow:
     mode: str
     task: str
     target: str
+    verdict: str
+    """``pass``, ``fail`` or ``none`` (see :class:`kernelcrew.service.summary.JobSummary`)."""
     speedup: float | None
+    speedup_ci: list[float] | None
     cpu_timing: bool
+    answer_kind: str | None
     age: str
 
 
 def job_row(job: Any) -> JobRow:
     outcome = job.outcome()
-    speedup, cpu = best_speedup(outcome)
+    summary = summarize(job.task_source, outcome)
     return JobRow(
         id=job.id,
         status=job.status,
         mode=job.mode,
-        task=task_name(job.task_source),
+        task=summary.task_name,
         target=target_of(job.options or {}, outcome),
-        speedup=speedup,
-        cpu_timing=cpu,
+        verdict=summary.verdict,
+        speedup=summary.speedup,
+        speedup_ci=summary.speedup_ci,
+        cpu_timing=summary.cpu_timing,
+        answer_kind=summary.answer_kind,
         age=age(job.created_at),
     )
 
@@ -158,22 +140,27 @@ def _current(progress: Progress, strategy: str = "") -> Step:
 def _on_verify(progress: Progress, data: dict[str, Any]) -> None:
     step = _current(progress)
     ok = data.get("verdict") == "pass"
-    step.stages.append(Stage("verify", "ok" if ok else "fail", f"{data.get('stage')}: {data.get('message')}"))
+    step.stages.append(Stage("verify", "ok" if ok else "fail", _said(data.get("stage"), data.get("message"))))
     step.verdict = data.get("verdict")
     if not ok:
-        step.failure = str(data.get("message") or data.get("stage") or "failed")
+        step.failure = _said(data.get("stage"), data.get("message"))
 
 
 def _on_timing(progress: Progress, data: dict[str, Any]) -> None:
     step = _current(progress)
     if data.get("verdict") == "fail":
-        step.stages.append(Stage("profile", "fail", str(data.get("message"))))
-        step.verdict, step.failure = "fail", str(data.get("message"))
+        step.stages.append(Stage("profile", "fail", _said(data.get("message"))))
+        step.verdict, step.failure = "fail", _said(data.get("message"))
         return
     step.time_ms, step.speedup = data.get("time_ms"), data.get("speedup_eager")
     cpu = " (CPU timing)" if data.get("clock") == "cpu-wall" else ""
     detail = f"{_num(step.time_ms, ' ms')}, {_num(step.speedup, 'x')} over eager{cpu}"
     step.stages.append(Stage("profile", "ok", detail + (", significant" if data.get("significant") else "")))
+
+
+def _said(*parts: Any) -> str:
+    """The parts an event gave, joined with ": " (a part it left out is not printed as None)."""
+    return ": ".join(str(p) for p in parts if p not in (None, "")) or "-"
 
 
 def _num(v: float | None, unit: str) -> str:
@@ -196,7 +183,8 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
         )
     elif kind == "code":
         repair = " (repair)" if data.get("repair") else ""
-        _current(progress).stages.append(Stage("code", "info", f"{data.get('lines')} lines{repair}"))
+        lines = f"{data['lines']} lines" if data.get("lines") is not None else "written"
+        _current(progress).stages.append(Stage("code", "info", lines + repair))
     elif kind == "verify":
         _on_verify(progress, data)
     elif kind == "timing":
@@ -217,7 +205,7 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
     elif kind == "message":
         progress.chat.append(ChatItem(seq, "user", str(data.get("user") or "you"), str(data.get("text"))))
     elif kind == "reply":
-        progress.chat.append(ChatItem(seq, "crew", "crew", str(data.get("message"))))
+        progress.chat.append(ChatItem(seq, "crew", "crew", _said(data.get("message"))))
     elif kind == "message_taken":
         note = f"the crew took {len(data.get('messages') or [])} message(s) before step {data.get('step')}"
         progress.chat.append(ChatItem(seq, "note", "", note))
@@ -226,7 +214,7 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
             ChatItem(seq, "note", "", "the job was queued again to continue from its checkpoint")
         )
     elif kind in ("error", "invalid_plan"):
-        progress.errors.append(f"{data.get('node') or kind}: {data.get('message')}")
+        progress.errors.append(_said(data.get("node") or kind, data.get("message")))
 
 
 def progress_of(events: list[tuple[int, str, dict[str, Any]]]) -> Progress:
@@ -322,13 +310,11 @@ __all__ = [
     "Stage",
     "Step",
     "age",
-    "best_speedup",
     "evidence",
     "job_row",
     "ncu_table",
     "progress_of",
     "public_result",
     "target_of",
-    "task_name",
     "time_series",
 ]

@@ -33,7 +33,12 @@ log = logging.getLogger(__name__)
 
 
 class JobCancelled(Exception):
-    """The job's owner cancelled it; raised between steps."""
+    """The job's owner cancelled it; raised between steps, carrying what the job keeps (its best
+    verified candidate so far, when it has one)."""
+
+    def __init__(self, job_id: str, result: JobResult | None = None) -> None:
+        super().__init__(job_id)
+        self.result = result
 
 
 class LeaseLost(Exception):
@@ -108,8 +113,8 @@ class Orchestrator:
         try:
             result = self._verify(job, lost) if job.mode == "verify" else self._optimize(job, lost)
             status = "succeeded"
-        except JobCancelled:
-            status, error = "cancelled", "cancelled by its owner"
+        except JobCancelled as exc:
+            status, result, error = "cancelled", exc.result, "cancelled by its owner"
         except LeaseLost:
             log.warning("job %s: lease lost, another orchestrator resumes it", job.id)
             return
@@ -197,7 +202,7 @@ class Orchestrator:
             executor.close()
 
     def _optimize(self, job: jobs.Job, lost: threading.Event) -> JobResult | None:
-        from kernelcrew.agents.run import OptimizeRequest, run_optimize
+        from kernelcrew.agents.run import OptimizeRequest, report_so_far, run_optimize
         from kernelcrew.task import TaskError
 
         opts = job.options
@@ -226,15 +231,16 @@ class Orchestrator:
             use_kb=bool(opts.get("use_kb", False)),
         )
 
-        def between_steps(step: int) -> str:
+        def between_steps(step: int) -> list[str]:
             self._check(job.id, lost)
             messages = jobs.take_messages(self.engine, job.id)
             if messages:
                 self._event(job.id, "message_taken", {"step": step, "messages": messages})
-            return "\n".join(messages)
+            return messages
 
         buffer = io.StringIO()
         with ExitStack() as stack:
+            checkpointer = checkpointer_for(self.settings, stack)
             try:
                 report = run_optimize(
                     req,
@@ -244,10 +250,24 @@ class Orchestrator:
                     executor=self._executor(job),
                     on_event=lambda e: self._event(job.id, str(e.get("kind", "event")), e),
                     thread_id=job.id,
-                    checkpointer=checkpointer_for(self.settings, stack),
+                    checkpointer=checkpointer,
+                    kb=self._knowledge_base(job) if req.use_kb else None,
                 )
             except TaskError as exc:
                 raise RuntimeError(str(exc)) from exc
+            except JobCancelled:
+                # the run stopped between steps: it keeps the best it verified so far
+                kept = report_so_far(job.id, checkpointer, job_dir, "cancelled by its owner")
+                if kept is None:
+                    raise
+                report, best_py = kept
+                markdown = job_dir / "report.md"
+                result = JobResult(
+                    report=report,
+                    best_source=best_py,
+                    report_md=markdown.read_text() if markdown.exists() else None,
+                )
+                raise JobCancelled(job.id, result) from None
         if report is None:
             return None
         best, markdown = job_dir / "best.py", job_dir / "report.md"
@@ -256,6 +276,16 @@ class Orchestrator:
             best_source=best.read_text() if best.exists() else None,
             report_md=markdown.read_text() if markdown.exists() else None,
         )
+
+    def _knowledge_base(self, job: jobs.Job) -> Any:
+        """The knowledge base as the job's owner: the hits are what they may see, and the win the job
+        records is theirs (private to them), not the orchestrator's OS user's."""
+        from kernelcrew.knowledge_base import KnowledgeBase
+
+        with transaction(self.engine) as s:
+            user = s.get(jobs.User, job.owner_id)
+            name, team = user.name, user.team
+        return KnowledgeBase.open(self.settings, owner=name, team=team or "")
 
     def _webhook(self, job: jobs.Job, status: str, result: JobResult | None, error: str | None) -> None:
         url = (job.options or {}).get("webhook_url")

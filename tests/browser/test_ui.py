@@ -102,10 +102,18 @@ def test_sign_in_upload_a_task_and_watch_it_finish_live(page, service, shots, jo
 
 def test_the_job_page_shows_the_diff_the_charts_and_the_downloads(page, service, shots, job):
     page.goto(f"/jobs/{job['id']}")
-    page.get_by_text("Diff against the reference").click()
+    expect(page.locator("#job-head .pill.verdict-pass")).to_have_text("pass")
+    replaced = page.locator("#replaced pre.diff")  # open: Model against ModelNew, not the whole file
+    expect(replaced).to_be_visible()
+    expect(replaced.locator(".d-del", has_text="class Model(")).to_have_count(1)
+    expect(replaced.locator(".d-add", has_text="class ModelNew")).to_have_count(1)
+    expect(page.locator("#kernels > summary")).to_contain_text("Kernels and helpers it adds")
+    expect(page.locator("#kernels .part").first).not_to_be_visible()  # collapsed until asked for
+    page.get_by_text("The whole file against the reference").click()
     diff = page.locator("#diff pre.diff")
     expect(diff).to_be_visible()
     expect(diff.locator(".d-add", has_text="class ModelNew")).to_have_count(1)
+    page.get_by_text("The whole file against the reference").click()  # closed again
     expect(page.locator("#time-chart svg")).to_be_visible()
     expect(page.locator("#time-chart svg circle.dot")).to_have_count(1)
     expect(page.locator("#roofline-chart")).to_contain_text("Not available on this device because")
@@ -113,13 +121,12 @@ def test_the_job_page_shows_the_diff_the_charts_and_the_downloads(page, service,
     with page.expect_download() as download:
         page.get_by_role("link", name="Download best.py").click()
     assert "class ModelNew" in Path(download.value.path()).read_text()
-    page.get_by_text("Diff against the reference").click()  # closed again: the page's top first
     page.evaluate("window.scrollTo(0, 0)")
     shot(page, shots, "job")
     page.evaluate("document.getElementById('charts-h').scrollIntoView()")
     shot(page, shots, "job_charts")
-    page.get_by_text("Diff against the reference").click()
-    page.evaluate("document.getElementById('diff').scrollIntoView()")
+    page.locator("#kernels > summary").click()
+    page.evaluate("document.getElementById('replaced').scrollIntoView()")
     shot(page, shots, "job_diff")
 
 
@@ -141,8 +148,18 @@ def test_the_jobs_list_knowledge_base_and_workers_pages(page, shots, job):
     page.goto("/jobs")
     row = page.locator("tr", has=page.locator(f"a[href='/jobs/{job['id']}']"))
     expect(row.locator(".status")).to_have_text("succeeded")
+    expect(row.locator("td[data-label='Verdict']")).to_have_text("pass")
+    expect(row.locator("td[data-label='Answer']")).not_to_have_text("-")
     expect(row).to_contain_text("CPU")
+    expect(row.locator("td[data-label='Task']")).to_contain_text("Fixture task: a two-input pointwise chain")
     shot(page, shots, "jobs")
+    page.get_by_label("Verdict", exact=True).select_option("fail")
+    page.get_by_role("button", name="Filter").click()
+    expect(page).to_have_url(re.compile(r"/jobs\?status=&verdict=fail$"))
+    expect(page.locator(f"a[href='/jobs/{job['id']}']")).to_have_count(0)
+    page.get_by_label("Verdict", exact=True).select_option("pass")
+    page.get_by_role("button", name="Filter").click()
+    expect(page.locator(f"a[href='/jobs/{job['id']}']")).to_have_count(1)
 
     page.get_by_role("link", name="Knowledge base").click()
     expect(page.locator("table.list")).to_contain_text("sm_90")  # the seeds of every architecture
@@ -175,3 +192,25 @@ def test_a_gpu_report_draws_its_roofline_and_ncu_table(page, service, shots):
     expect(page.locator("#code-h + p")).to_contain_text("not stored")
     page.locator("#roofline-chart").screenshot(path=str(shots / "gpu_report_roofline_chart.png"))
     page.locator("table.ncu").screenshot(path=str(shots / "gpu_report_ncu.png"))
+
+
+@pytest.mark.parametrize("width", [390])
+def test_narrow_screens_scroll_only_vertically(browser, service, shots, job, width):
+    """A phone-sized window: the list becomes one card per job, the job page stacks, nothing is
+    wider than the screen (code and diffs scroll inside their own boxes)."""
+    context = browser.new_context(viewport={"width": width, "height": 844}, base_url=service.url)
+    try:
+        page = context.new_page()
+        page.goto("/signin")
+        page.get_by_label("API token", exact=True).fill(service.tokens["alice"])
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.get_by_role("heading", name="Jobs")).to_be_visible()
+        overflow = "document.documentElement.scrollWidth - window.innerWidth"
+        assert page.evaluate(overflow) <= 0
+        shot(page, shots, "jobs_narrow")
+        page.goto(f"/jobs/{job['id']}")
+        expect(page.locator("#job-head h1")).to_be_visible()
+        assert page.evaluate(overflow) <= 0
+        shot(page, shots, "job_narrow")
+    finally:
+        context.close()

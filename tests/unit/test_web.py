@@ -216,3 +216,114 @@ def test_a_rejected_candidate_shows_its_failure_and_user_text_is_escaped(site):
     assert "Rejected candidates" in page and "max abs error 0.5 &lt;b&gt;" in page
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
     assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+
+
+def store_verify_job(engine, user: str, verdict: str, message: str, ci: tuple[float, float] | None) -> str:
+    """An ended verify job of ``user`` on the pointwise task and its Triton candidate, with the events
+    the orchestrator writes (its verify event carries no message)."""
+    candidate = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()
+    verdict_json = {"verdict": verdict, "stage": "done" if verdict == "pass" else "correctness",
+                    "message": message, "seed": 3, "device": "cpu", "precision": "strict", "kind": "kernel"}  # fmt: skip
+    timing = None
+    if ci is not None:
+        ratio = {"median": 1.5, "ci_low": ci[0], "ci_high": ci[1], "ci_coverage": 0.95, "significant": True,
+                 "wall_median": 1.5, "graph_median": None}  # fmt: skip
+        timing = {"clock": "cpu-wall", "ratios": {"candidate": ratio}}
+    with transaction(engine) as s:
+        owner = s.scalar(select(jobs.User.id).where(jobs.User.name == user))
+        job = jobs.Job(
+            id=jobs.new_job_id(), owner_id=owner, status="succeeded", mode="verify", task_source=TASK,
+            candidate_source=candidate, options={"device": "cpu"},
+            result={"verify": verdict_json, "verdict": verdict, "timing": timing,
+                    "speedup": 1.5 if ci is not None else None},
+        )  # fmt: skip
+        s.add(job)
+        s.flush()
+        jobs.add_event(s, job.id, "verify_started", {"device": "cpu"})
+        jobs.add_event(s, job.id, "verify", {"verdict": verdict, "stage": verdict_json["stage"]})
+        return job.id
+
+
+def list_row(html: str, job_id: str) -> str:
+    """The list's row of ``job_id``."""
+    at = html.index(f'href="/jobs/{job_id}"')
+    return html[html.rindex("<tr>", 0, at) : html.index("</tr>", at)]
+
+
+def test_a_failed_verify_job_is_not_a_green_success_and_a_passing_one_shows_its_candidate(site):
+    failed = store_verify_job(site.engine, "ann", "fail", "output 0 differs at (3, 1)", None)
+    passed = store_verify_job(site.engine, "ann", "pass", "correct on 7 input sets", (1.25, 1.75))
+    c = site.signed_in("ann")
+    listing = c.get("/jobs").text
+    row = list_row(listing, failed)
+    assert "status-succeeded" not in row and "status-ended" in row and 'class="pill verdict-fail"' in row
+    row = list_row(listing, passed)
+    assert "status-succeeded" in row and 'class="pill verdict-pass"' in row
+    assert "1.5x" in row and "[1.25\u20131.75]" in row and ">kernel<" in row
+
+    page = c.get(f"/jobs/{failed}").text
+    assert "status-succeeded" not in page and 'class="pill verdict-fail"' in page
+    text = page[: page.index('id="code-h"')]  # the code itself may say None
+    assert "None" not in text  # the verify event has no message: its step says only the stage
+    assert '<span class="detail">correctness</span>' in text
+
+    page = c.get(f"/jobs/{passed}").text
+    assert "No verified candidate" not in page and "None" not in page[: page.index('id="code-h"')]
+    assert "The candidate (pass)" in page and "pointwise_kernel" in page
+    assert "95% interval 1.25\u20131.75" in page
+    assert "Download best.py" not in page  # a verify job has no best.py to download
+
+
+def test_the_api_job_list_carries_name_verdict_speedup_interval_and_kind(site):
+    report = json.loads(H100_REPORT.read_text())
+    gpu_job = store_finished_job(site.engine, "ann", report, "class ModelNew(nn.Module):\n    pass\n")
+    failed = store_verify_job(site.engine, "ann", "fail", "wrong", None)
+    c = site.client()
+    c.headers["authorization"] = f"Bearer {site.tokens['ann']}"
+    items = {j["id"]: j for j in c.get("/api/v1/jobs").json()["items"]}
+    best = report["best"]
+    assert items[gpu_job]["verdict"] == "pass" and items[gpu_job]["answer_kind"] == best["kind"]
+    assert items[gpu_job]["speedup"] == best["speedup_eager"]
+    assert items[gpu_job]["speedup_ci"] == best["speedup_eager_ci"]
+    assert items[gpu_job]["cpu_timing"] is False
+    assert items[failed]["verdict"] == "fail" and items[failed]["speedup"] is None
+    assert items[failed]["task_name"] == "Fixture task: a two-input pointwise chain, tanh(x * 2 + y)."
+    assert items[gpu_job]["task_name"] != items[failed]["task_name"]
+    assert c.get(f"/api/v1/jobs/{failed}").json()["verdict"] == "fail"
+
+
+def test_the_job_list_filters_by_status_and_verdict(site):
+    failed = store_verify_job(site.engine, "ann", "fail", "wrong", None)
+    passed = store_verify_job(site.engine, "ann", "pass", "right", (1.2, 1.8))
+    c = site.signed_in("ann")
+    csrf = form_csrf(c.get("/jobs/new").text)
+    queued = c.post("/jobs/new", data={"csrf": csrf, "task_text": TASK, "target": "cpu"}).headers["location"]
+    queued = queued.rsplit("/", 1)[1]
+
+    def shown(query: str) -> set[str]:
+        html = c.get(f"/jobs{query}").text
+        return {j for j in (failed, passed, queued) if f'href="/jobs/{j}"' in html}
+
+    assert shown("") == {failed, passed, queued}
+    assert shown("?verdict=fail") == {failed}
+    assert shown("?verdict=pass") == {passed}
+    assert shown("?verdict=none") == {queued}
+    assert shown("?status=queued") == {queued}
+    assert shown("?status=succeeded&verdict=pass") == {passed}
+    assert shown("?status=failed") == set()
+    assert "No job matches these filters" in c.get("/jobs?status=failed").text
+    assert shown("?status=bogus") == {failed, passed, queued}  # an unknown value filters nothing
+
+
+def test_the_answer_is_shown_as_the_part_it_replaces_with_its_kernels_apart(site):
+    candidate = (FIXTURES / "candidates" / "pointwise_triton.py").read_text()
+    from kernelcrew.tools.packaging import package
+    from kernelcrew.web.code import replaced_part
+
+    replaced = replaced_part(TASK, package(candidate))  # best.py as stored: packaged for torch.compile
+    text = "\n".join(d.text for d in replaced.diff)
+    assert "-class Model(nn.Module):" in text and "+class ModelNew(nn.Module):" in text
+    assert "-        return (x * 2 + y).tanh()" in text
+    assert [p.name for p in replaced.parts] == ["pointwise_kernel", "pointwise"]  # not get_inputs, not _kc_*
+    assert "_kc_" not in text
+    assert replaced_part(TASK, "not python (") is None
