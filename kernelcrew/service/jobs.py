@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
 import uuid
+from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -124,8 +126,30 @@ class Job(Base):
             "created_at": iso(self.created_at),
             "started_at": iso(self.started_at),
             "finished_at": iso(self.finished_at),
-            **summarize(self.task_source, self.outcome()).to_dict(),
+            **self.summary(),
         }
+
+    def summary(self) -> dict[str, Any]:
+        """:func:`~kernelcrew.service.summary.summarize`'s fields, cached per job until its status or
+        result changes (a job list would otherwise parse every task and result on every read)."""
+        key = (self.id, self.status, self.finished_at, self.result is not None)
+        with _SUMMARY_LOCK:
+            hit = _SUMMARIES.get(key)
+            if hit is not None:
+                _SUMMARIES.move_to_end(key)
+                return dict(hit)
+        made = summarize(self.task_source, self.outcome()).to_dict()
+        with _SUMMARY_LOCK:
+            _SUMMARIES[key] = made
+            while len(_SUMMARIES) > SUMMARY_CACHE_SIZE:
+                _SUMMARIES.popitem(last=False)
+        return dict(made)
+
+
+#: Job summaries kept per process (a few KB each).
+SUMMARY_CACHE_SIZE = 4096
+_SUMMARIES: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
+_SUMMARY_LOCK = threading.Lock()
 
 
 class JobEvent(Base):
