@@ -12,6 +12,8 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
+from kernelcrew.task import parse_python
+
 _FORMATTER_OPTIONS = {"cssclass": "hl", "linenos": "table", "wrapcode": True}
 
 
@@ -65,7 +67,7 @@ def _statements(source: str) -> list[tuple[str, str]]:
     functions and classes; ``""`` for the rest)."""
     lines = source.splitlines()
     out = []
-    for node in ast.parse(source).body:
+    for node in parse_python(source).body:
         first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
         name = node.name if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else ""
         out.append((name, "\n".join(lines[first - 1 : node.end_lineno])))
