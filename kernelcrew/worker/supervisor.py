@@ -290,6 +290,11 @@ class OrchestratorPool:
         self.restarts = 0
         self.initial_backoff_s, self.max_backoff_s = initial_backoff_s, max_backoff_s
         self.stable_s, self.poll_s = stable_s, poll_s
+        # Looked up now: a restart forks from a process with threads (uvicorn's), where the child may
+        # only make the prctl call before it execs, nothing that takes a lock or starts a process.
+        self._libc: Any = None
+        with contextlib.suppress(OSError):
+            self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="orchestrator-pool", daemon=True)
@@ -304,10 +309,11 @@ class OrchestratorPool:
         self.stop()
 
     def _start(self, i: int) -> None:
+        libc = self._libc
         proc = subprocess.Popen(
             self.command,
             stdin=subprocess.DEVNULL,
-            preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM),
+            preexec_fn=None if libc is None else lambda: libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM)),
         )
         with self._lock:
             self.procs[i], self.started[i] = proc, time.monotonic()
