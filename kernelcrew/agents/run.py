@@ -349,6 +349,8 @@ def _printer(console: Console) -> Callable[[dict[str, Any]], None]:
             console.print(
                 f"verify {event['candidate']}: [{color}]{event['verdict']}[/] ({event['stage']}) {event['message'][:160]}"
             )
+        elif kind == "timing" and event.get("verdict") == "fail":
+            console.print(f"timing {event['candidate']}: [red]fail[/] {event.get('message', '')[:200]}")
         elif kind == "timing" and event.get("time_ms") is not None:
             console.print(
                 f"timing {event['candidate']}: {event['time_ms']:.4g} ms, {event['speedup_eager']:.3g}x over eager"

@@ -336,6 +336,16 @@ def get_init_inputs():
 TINY_SCALE = TINY_RELU.replace("torch.relu(x)", "torch.sigmoid(x * 2.0 + 1.0)")
 
 
+def _step_failures(out: Path) -> list[tuple[str, str, str]]:
+    """Each failed step of the runs under ``out`` (task, stage, message): what a failed dry run says."""
+    found = []
+    for report in sorted(out.glob("gpu*/runs/*/report.json")):
+        for it in json.loads(report.read_text()).get("iterations") or []:
+            if it.get("verdict") != "pass":
+                found.append((report.parent.name, it.get("stage"), (it.get("message") or "")[:400]))
+    return found
+
+
 def test_kernelbench_cpu_dry_run_shards_resumes_and_writes_the_result(tmp_path, capfd):
     """The plumbing on a CPU (two tiny tasks of our own, not KernelBench): sample and copy, two shards
     at once, the result files, a second call that runs nothing, a fresh machine (no shard tables)
@@ -379,7 +389,7 @@ def test_kernelbench_cpu_dry_run_shards_resumes_and_writes_the_result(tmp_path, 
         ("l1_19_ReLU", 1, "pointwise"),
         ("l2_1_Gemm_Sigmoid", 2, "gemm/pointwise"),
     ]
-    assert all(r["verdict"] == "verified" for r in data["rows"]), data["rows"]
+    assert all(r["verdict"] == "verified" for r in data["rows"]), _step_failures(out)
     assert [s["tasks"] for s in data["shards"]] == [["l1_19_ReLU"], ["l2_1_Gemm_Sigmoid"]]
     assert data["summary"]["tasks"] == 2 and data["summary"]["errored"] == []
     saved = json.loads((results / "dry.json").read_text())
