@@ -39,6 +39,8 @@ SCALE_FACTORS = (100.0, 1e-3)
 #: kept with its golden for the whole verification, so a task whose inputs are gigabytes gets fewer
 #: sets (never fewer than two seeds: the cache sequence needs them) and says so.
 GOLDEN_INPUT_BYTES = 8 * 1024**3
+#: Seed sets every task gets, whatever their size (the cache sequence needs two).
+MIN_SEED_SETS = 2
 #: The most of the pass rule's tolerance PyTorch's own output may use on a scaled variant, unless it
 #: uses as much on the set it was scaled from (within a factor of 2: low-precision outputs spend a
 #: good part of it on their final rounding). Beyond that the scale is ill-conditioned for the task
@@ -373,6 +375,15 @@ def golden_input_budget() -> int:
     return min(GOLDEN_INPUT_BYTES, machine_memory_limit() // 8)
 
 
+def golden_kept_budget() -> int:
+    """Bytes of input sets, float64 goldens and native outputs the golden child keeps at most: a
+    sixth of the memory a child may use. It holds them in memory, then writes them to its folder
+    (memory too), and needs room besides for the model and one set's outputs while it runs."""
+    from kernelcrew.tools.sandbox import machine_memory_limit
+
+    return machine_memory_limit() // 6
+
+
 def input_bytes(inputs: Any) -> int:
     """Bytes of the tensors in an input set (nested lists, tuples and dicts included)."""
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(inputs))
@@ -544,13 +555,33 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         return ""
 
     lap("model")
-    for s in sets:
-        inputs = s.pop("inputs")
-        add(dict(s), inputs)
-    lap("reference")
+    kept_budget = golden_kept_budget()
 
     def room(inputs: list[Any]) -> bool:
-        return sum(input_bytes(x) for x in input_lists) + input_bytes(inputs) <= golden_input_budget()
+        """Whether one more set fits: its inputs by :func:`golden_input_budget`, and its inputs,
+        golden and native outputs (sized as the first set's) by :func:`golden_kept_budget`."""
+        held = sum(input_bytes(x) for x in input_lists)
+        if held + input_bytes(inputs) > golden_input_budget():
+            return False
+        outputs = input_bytes(golden) + input_bytes(native)
+        per_set = input_bytes(golden[0]) + input_bytes(native[0]) if golden else 0
+        return held + outputs + input_bytes(inputs) + per_set <= kept_budget
+
+    dropped = 0
+    for s in sets:
+        inputs = s.pop("inputs")
+        if len(records) >= MIN_SEED_SETS and not room(inputs):
+            dropped += 1  # the outputs are what is large (a task that expands its inputs)
+            continue
+        add(dict(s), inputs)
+    if dropped:
+        per_set = (input_bytes(golden[0]) + input_bytes(native[0])) / 1e9
+        notes.append(
+            f"{dropped} of {len(sets)} input sets not judged: each set's golden and native outputs "
+            f"are {per_set:.1f} GB, and what the golden keeps is bounded by "
+            f"{kept_budget / 1e9:.0f} GB (memory)"
+        )
+    lap("reference")
 
     for rec in [r for r in records if r["origin"] == "seed"][:SIGNED_SETS]:
         if not room(input_lists[rec["index"]]):

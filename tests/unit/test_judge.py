@@ -177,6 +177,45 @@ def test_judged_elements_are_the_same_positions_on_both_sides():
     assert not torch.equal(pick_elements([big], pick=8)[0]["values"], a[0]["values"])
 
 
+EXPANDING = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return x[:, None] * x[None, :]
+
+    def get_inputs():
+        return [torch.randn(128)]
+
+    def get_init_inputs():
+        return []
+    """
+)
+
+
+def test_a_task_whose_outputs_are_large_gets_fewer_sets_and_says_so(monkeypatch, tmp_path):
+    """The golden child keeps every set's float64 golden and native output: a task whose output is
+    far larger than its inputs (here 128 x its input) is bounded by what it keeps, not by its inputs
+    (a 1 GB input with a 6 GB golden per set filled a 100 GB machine)."""
+    from kernelcrew.tools import harness
+
+    per_set = 128 * 4 + 128 * 128 * (8 + 4)  # input, float64 golden, float32 native
+    (tmp_path / "child").mkdir()
+    payload = {"device": "cpu", "seed": 3, "precision": "strict", "task_source": EXPANDING}
+    payload.update(task_path="task.py", n_seeds=5)
+    monkeypatch.setattr(harness, "golden_kept_budget", lambda: int(3.5 * per_set))
+    meta = harness.golden_child(payload, tmp_path)
+    assert [r["origin"] for r in meta["sets"]] == ["seed", "seed", "seed"]
+    assert any("input sets not judged" in n and "golden and native outputs" in n for n in meta["notes"])
+    monkeypatch.setattr(harness, "golden_kept_budget", lambda: 0)  # never fewer than two seeds
+    assert [r["origin"] for r in harness.golden_child(payload, tmp_path)["sets"]] == ["seed", "seed"]
+    monkeypatch.setattr(harness, "golden_kept_budget", lambda: 1000 * per_set)
+    meta = harness.golden_child(payload, tmp_path)
+    assert len(meta["sets"]) > 5 and not any("not judged" in n for n in meta["notes"])
+
+
 def test_a_task_with_large_inputs_gets_fewer_sets(monkeypatch):
     from kernelcrew.task import load_task
     from kernelcrew.tools import harness
