@@ -76,15 +76,29 @@ class Health(BaseModel):
     ok: bool
 
 
+class WorkersSeen(BaseModel):
+    """The workers the live inventory shows: information, never a readiness condition (jobs queue
+    until a worker comes)."""
+
+    count: int | None = Field(description="Workers online; null when the inventory cannot be read.")
+    devices: dict[str, int] = Field(
+        default_factory=dict, description='Workers per device: {"h100-sxm (sm_90)": 2, "cpu": 1}.'
+    )
+    detail: str = Field(
+        description="One line: what is online, that jobs queue until a worker comes, or the error."
+    )
+
+
 class Readiness(BaseModel):
     """Whether the database and the broker answer, and the orchestrators run where this process
     supervises them (``kernelcrew serve --orchestrators N``); each check is ``ok`` (or how many
-    run) or ``error: <reason>``."""
+    run) or ``error: <reason>``. ``workers`` reports the worker inventory without deciding ``ok``."""
 
     ok: bool
     database: str
     broker: str
     orchestrators: str | None = None
+    workers: WorkersSeen | None = None
 
 
 # -- jobs ---------------------------------------------------------------------------------------
@@ -243,5 +257,6 @@ __all__ = [
     "ValidationProblem",
     "WorkerPublic",
     "WorkersPublic",
+    "WorkersSeen",
     "errors",
 ]
