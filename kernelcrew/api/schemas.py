@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kernelcrew.api.kb import KbImported
+from kernelcrew.service.summary import SpeedupTiming, Verdict
 
 # -- errors -------------------------------------------------------------------------------------
 
@@ -75,15 +76,29 @@ class Health(BaseModel):
     ok: bool
 
 
+class WorkersSeen(BaseModel):
+    """The workers the live inventory shows: information, never a readiness condition (jobs queue
+    until a worker comes)."""
+
+    count: int | None = Field(description="Workers online; null when the inventory cannot be read.")
+    devices: dict[str, int] = Field(
+        default_factory=dict, description='Workers per device: {"h100-sxm (sm_90)": 2, "cpu": 1}.'
+    )
+    detail: str = Field(
+        description="One line: what is online, that jobs queue until a worker comes, or the error."
+    )
+
+
 class Readiness(BaseModel):
     """Whether the database and the broker answer, and the orchestrators run where this process
     supervises them (``kernelcrew serve --orchestrators N``); each check is ``ok`` (or how many
-    run) or ``error: <reason>``."""
+    run) or ``error: <reason>``. ``workers`` reports the worker inventory without deciding ``ok``."""
 
     ok: bool
     database: str
     broker: str
     orchestrators: str | None = None
+    workers: WorkersSeen | None = None
 
 
 # -- jobs ---------------------------------------------------------------------------------------
@@ -128,18 +143,29 @@ class JobPublic(BaseModel):
     task_name: str = Field(
         description="The task's title: its docstring's first line, else its Model's, else what its forward calls."
     )
-    verdict: Literal["pass", "fail", "none"] = Field(
-        description="pass: the job returns a verified answer; fail: it ended without one (its candidate "
-        "failed the check, or no candidate passed); none: not ended, or ended without a result."
+    verdict: Verdict = Field(
+        description="pass: the job returns a verified answer; no_gain: an optimize run whose candidates "
+        "passed their checks but none was faster than eager, so its answer is the reference (or "
+        "torch.compile, when the baseline timed it faster; see answer_kind); fail: it ended without one "
+        "(its candidate failed the check, or no candidate passed); none: not ended, or ended without a result."
     )
     speedup: float | None = Field(description="The answer's median speedup over eager.")
     speedup_ci: list[float] | None = Field(description="Its 95% interval [low, high], when measured.")
+    speedup_timing: SpeedupTiming | None = Field(
+        None,
+        description="Which timing the speedup is: final (the answer timed after the run, interleaved with "
+        "eager); step (the step that verified it: a cancelled run stops before its final timing); "
+        "baseline (torch.compile as the reference's baseline timed it).",
+    )
     cpu_timing: bool = Field(description="The speedup is a CPU wall-clock timing, not a GPU speedup.")
-    answer_kind: str | None = Field(description="What the answer is: kernel, hybrid, library or compiler.")
+    answer_kind: str | None = Field(
+        description="What the answer is: kernel, hybrid, library or compiler; reference when it is the "
+        "task itself (no candidate was faster than eager)."
+    )
 
 
 class JobsPublic(BaseModel):
-    """A page of the caller's jobs, newest first, and how many there are in all."""
+    """A page of the caller's jobs that pass the filters, newest first, and how many pass in all."""
 
     items: list[JobPublic]
     total: int
@@ -217,8 +243,10 @@ __all__ = [
     "ErrorMessage",
     "Health",
     "JobCreate",
+    "JobMode",
     "JobPublic",
     "JobResultPublic",
+    "JobStatus",
     "JobsPublic",
     "KbHit",
     "KbHits",
@@ -229,5 +257,6 @@ __all__ = [
     "ValidationProblem",
     "WorkerPublic",
     "WorkersPublic",
+    "WorkersSeen",
     "errors",
 ]

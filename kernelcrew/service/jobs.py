@@ -132,17 +132,12 @@ class Job(Base):
     def summary(self) -> dict[str, Any]:
         """:func:`~kernelcrew.service.summary.summarize`'s fields, cached per job until its status or
         result changes (a job list would otherwise parse every task and result on every read)."""
-        key = (self.id, self.status, self.finished_at, self.result is not None)
-        with _SUMMARY_LOCK:
-            hit = _SUMMARIES.get(key)
-            if hit is not None:
-                _SUMMARIES.move_to_end(key)
-                return dict(hit)
-        made = summarize(self.task_source, self.outcome()).to_dict()
-        with _SUMMARY_LOCK:
-            _SUMMARIES[key] = made
-            while len(_SUMMARIES) > SUMMARY_CACHE_SIZE:
-                _SUMMARIES.popitem(last=False)
+        key = summary_key(self.id, self.status, self.finished_at, self.updated_at)
+        hit = cached_summary(key)
+        if hit is not None:
+            return hit
+        made = summarize(self.task_source, self.outcome(), self.status).to_dict()
+        cache_summary(key, made)
         return dict(made)
 
 
@@ -150,6 +145,29 @@ class Job(Base):
 SUMMARY_CACHE_SIZE = 4096
 _SUMMARIES: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
 _SUMMARY_LOCK = threading.Lock()
+
+
+def summary_key(job_id: str, status: str, finished_at: Any, updated_at: Any) -> tuple[Any, ...]:
+    """What a job's summary depends on, from columns a list can read without the sources: the
+    result is written only with a new status and end time (:func:`finish_job`), the task never."""
+    return (job_id, status, finished_at, updated_at)
+
+
+def cached_summary(key: tuple[Any, ...]) -> dict[str, Any] | None:
+    """A copy of the summary cached under ``key`` (see :func:`summary_key`), or None."""
+    with _SUMMARY_LOCK:
+        hit = _SUMMARIES.get(key)
+        if hit is None:
+            return None
+        _SUMMARIES.move_to_end(key)
+        return dict(hit)
+
+
+def cache_summary(key: tuple[Any, ...], summary: dict[str, Any]) -> None:
+    with _SUMMARY_LOCK:
+        _SUMMARIES[key] = summary
+        while len(_SUMMARIES) > SUMMARY_CACHE_SIZE:
+            _SUMMARIES.popitem(last=False)
 
 
 class JobEvent(Base):

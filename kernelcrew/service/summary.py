@@ -1,7 +1,7 @@
 """What a job's list entry says about it, computed from its task source and its stored result.
 
-The task's name, the verdict, the speedup over eager with its interval, and the answer's kind: the
-API's job list and the web pages read them from here, so both say the same thing.
+The task's name, the verdict, the speedup over eager with its interval and where it was timed, and the
+answer's kind: the API's job list and the web pages read them from here, so both say the same thing.
 """
 
 from __future__ import annotations
@@ -9,12 +9,16 @@ from __future__ import annotations
 import ast
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from kernelcrew.records import JobResult, Report, VerifyOutcome
 from kernelcrew.task import parse_python
 
-Verdict = Literal["pass", "fail", "none"]
+Verdict = Literal["pass", "no_gain", "fail", "none"]
+AnswerKind = Literal["kernel", "hybrid", "library", "compiler", "reference"]
+SpeedupTiming = Literal["final", "step", "baseline"]
+VERDICTS: tuple[str, ...] = get_args(Verdict)
+ANSWER_KINDS: tuple[str, ...] = get_args(AnswerKind)
 MAX_NAME = 80
 
 
@@ -23,8 +27,10 @@ class JobSummary:
     task_name: str
     """The task's title: its docstring's first line, else its ``Model``'s, else what its forward calls."""
     verdict: Verdict
-    """``pass``: the job returns a verified answer; ``fail``: it ended without one (the candidate failed
-    its check, or no candidate passed); ``none``: no verdict (not ended, or ended without a result)."""
+    """``pass``: the job returns a verified answer; ``no_gain``: an optimize run whose candidates passed
+    their checks but none was faster than eager, so its answer is the reference (or ``torch.compile``,
+    when the baseline timed it faster); ``fail``: it ended without one (the candidate failed its check,
+    or no candidate passed); ``none``: no verdict (not ended, or ended without a result)."""
     speedup: float | None
     """The answer's median speedup over eager."""
     speedup_ci: list[float] | None
@@ -32,7 +38,11 @@ class JobSummary:
     cpu_timing: bool
     """The speedup is a CPU wall-clock timing (never a GPU speedup)."""
     answer_kind: str | None
-    """What the answer is: kernel, hybrid, library or compiler."""
+    """What the answer is: kernel, hybrid, library or compiler; ``reference`` when it is the task itself."""
+    speedup_timing: SpeedupTiming | None = None
+    """Which timing the speedup is: ``final`` (the answer timed after the run, interleaved with eager),
+    ``step`` (the step that verified it: a cancelled run stops before its final timing) or ``baseline``
+    (``torch.compile`` as the reference's baseline timed it)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,8 +95,21 @@ def _interval(low: float | None, high: float | None) -> list[float] | None:
     return [low, high] if low is not None and high is not None else None
 
 
-def summarize(task_source: str, outcome: JobResult | None) -> JobSummary:
-    """The job's summary from its task and its stored result (``None`` before it ends)."""
+def _no_gain(name: str, report: Report) -> JobSummary:
+    """An optimize run that verified candidates but kept none (none was faster than eager): its answer
+    is ``torch.compile`` when the baseline timed a mode faster than eager, else the reference."""
+    eager = report.baseline.eager_ms
+    compiled = {m: ms for m, ms in (report.baseline.compile_ms or {}).items() if ms}
+    fastest = min(compiled, key=compiled.__getitem__) if compiled else None
+    cpu = report.device == "cpu" or report.clock == "cpu-wall"
+    if eager and fastest is not None and compiled[fastest] < eager:
+        return JobSummary(name, "no_gain", eager / compiled[fastest], None, cpu, "compiler", "baseline")
+    return JobSummary(name, "no_gain", None, None, cpu, "reference", None)
+
+
+def summarize(task_source: str, outcome: JobResult | None, status: str | None = None) -> JobSummary:
+    """The job's summary from its task, its stored result (``None`` before it ends) and its status (a
+    ``cancelled`` job's best was timed by its step, not by a final timing)."""
     name = task_name(task_source)
     report = outcome.report if outcome is not None else None
     if isinstance(report, VerifyOutcome):
@@ -99,12 +122,18 @@ def summarize(task_source: str, outcome: JobResult | None) -> JobSummary:
             speedup_ci=_interval(ratio.ci_low, ratio.ci_high) if ratio is not None else None,
             cpu_timing=clock == "cpu-wall",
             answer_kind=report.verify.kind,
+            speedup_timing="final" if report.speedup is not None else None,
         )
     if isinstance(report, Report):
         best = report.best
+        if best is None and report.status == "no_significant_gain":
+            return _no_gain(name, report)
         if best is None:
             return JobSummary(name, "fail", None, None, report.device == "cpu", None)
         ci = best.speedup_eager_ci
+        timing: SpeedupTiming | None = None
+        if best.speedup_eager is not None:
+            timing = "step" if status == "cancelled" else "final"
         return JobSummary(
             task_name=name,
             verdict="pass",
@@ -112,8 +141,18 @@ def summarize(task_source: str, outcome: JobResult | None) -> JobSummary:
             speedup_ci=_interval(*ci) if len(ci) == 2 else None,
             cpu_timing=best.clock == "cpu-wall" or report.device == "cpu",
             answer_kind=best.kind or best.source_kind,
+            speedup_timing=timing,
         )
     return JobSummary(name, "none", None, None, False, None)
 
 
-__all__ = ["JobSummary", "Verdict", "summarize", "task_name"]
+__all__ = [
+    "ANSWER_KINDS",
+    "VERDICTS",
+    "AnswerKind",
+    "JobSummary",
+    "SpeedupTiming",
+    "Verdict",
+    "summarize",
+    "task_name",
+]

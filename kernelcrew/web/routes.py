@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
@@ -28,6 +29,7 @@ from kernelcrew.config import Settings
 from kernelcrew.knowledge_base.db import transaction
 from kernelcrew.service import jobs
 from kernelcrew.service.events import job_event_stream
+from kernelcrew.service.listing import MAX_QUERY, JobFilter, find_jobs
 from kernelcrew.service.submissions import (
     JobOptions,
     add_message,
@@ -35,6 +37,7 @@ from kernelcrew.service.submissions import (
     enqueue_job,
     read_source,
 )
+from kernelcrew.service.summary import ANSWER_KINDS, VERDICTS
 from kernelcrew.web import views
 from kernelcrew.web.auth import (
     SESSION_COOKIE,
@@ -56,7 +59,8 @@ TEMPLATES.env.filters["pct"] = lambda v: "-" if v is None else f"{v:.1%}"
 TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
 
 BACKENDS = ("auto", *LLM_BACKENDS)
-VERDICTS = ("pass", "fail", "none")
+#: Jobs a page of the job list shows.
+PAGE_SIZE = 100
 FORM_OPTION_FIELDS = ("backend", "model", "max_iters", "time_budget_s", "precision", "compile_modes")
 
 
@@ -121,30 +125,50 @@ def build_router(settings: Settings, engine: Any) -> APIRouter:
     def read_home() -> Response:
         return RedirectResponse("/jobs", status_code=303)
 
-    def user_rows(viewer: Viewer, status: str, verdict: str) -> list[views.JobRow]:
-        """The viewer's newest 100 jobs (of ``status``, when given) with ``verdict``, when given: the
-        verdict is read from each job's stored result, so it filters the page, not the query."""
-        query = select(jobs.Job).where(jobs.Job.owner_id == viewer.who.user_id)
-        if status:
-            query = query.where(jobs.Job.status == status)
-        with transaction(engine) as session:
-            rows = session.scalars(query.order_by(jobs.Job.created_at.desc()).limit(100)).all()
-            return [r for r in map(views.job_row, rows) if not verdict or r.verdict == verdict]
-
     @router.get("/jobs", response_class=HTMLResponse)
-    def read_jobs(request: Request, status: str = "", verdict: str = "") -> Response:
+    def read_jobs(
+        request: Request,
+        status: str = "",
+        verdict: str = "",
+        kind: str = "",
+        mode: str = "",
+        q: str = "",
+        offset: str = "",
+    ) -> Response:
+        """The viewer's jobs through the API's query (:func:`~kernelcrew.service.listing.find_jobs`):
+        filtered over all of them, then paged; an unknown filter value filters nothing."""
         viewer = require_viewer(request, engine)
-        status = status if status in jobs.STATUSES else ""
-        verdict = verdict if verdict in VERDICTS else ""
+        where = JobFilter(
+            status=status if status in jobs.STATUSES else None,
+            mode=mode if mode in jobs.MODES else None,
+            verdict=verdict if verdict in VERDICTS else None,
+            kind=kind if kind in ANSWER_KINDS else None,
+            q=q.strip()[:MAX_QUERY] or None,
+        )
+        start = min(int(offset), 2**31 - 1) if offset.isascii() and offset.isdigit() else 0
+        with transaction(engine) as session:
+            found, total = find_jobs(session, viewer.who.user_id, where, PAGE_SIZE, start)
+            rows = [views.job_row(j) for j in found]
+        filters = {k: v for k, v in vars(where).items() if v}
+
+        def at(first: int) -> str:
+            query = urlencode({**filters, **({"offset": first} if first else {})})
+            return f"/jobs?{query}" if query else "/jobs"
+
         return page(
             request,
             "jobs.html",
             viewer,
-            rows=user_rows(viewer, status, verdict),
+            rows=rows,
+            total=total,
+            shown=(start + 1, start + len(rows)),
+            newer_url=at(max(start - PAGE_SIZE, 0)) if start else None,
+            older_url=at(start + PAGE_SIZE) if start + PAGE_SIZE < total else None,
+            filters=filters,
             statuses=jobs.STATUSES,
+            modes=jobs.MODES,
             verdicts=VERDICTS,
-            filter_status=status,
-            filter_verdict=verdict,
+            kinds=ANSWER_KINDS,
         )
 
     @router.get("/jobs/stream")
@@ -478,6 +502,7 @@ def job_context(job: jobs.Job, events: list[tuple[int, str, dict[str, Any]]]) ->
         "evidence": views.evidence(report, progress, job.mode),
         "speedup": row.speedup,
         "cpu_timing": row.cpu_timing,
+        "answer_note": views.answer_note(row, report),
         "task_code": highlight_python(job.task_source),
         "best_code": highlight_python(answer) if answer else None,
         "replaced": replaced_part(job.task_source, answer) if answer else None,

@@ -13,7 +13,6 @@ from typing import Any
 
 from kernelcrew.agents.report import _NCU_ROWS, _stalls
 from kernelcrew.records import JobResult, Report
-from kernelcrew.service.summary import summarize
 from kernelcrew.web.charts import Chart, Series, roofline_chart, time_chart
 
 
@@ -51,30 +50,56 @@ class JobRow:
     task: str
     target: str
     verdict: str
-    """``pass``, ``fail`` or ``none`` (see :class:`kernelcrew.service.summary.JobSummary`)."""
+    """``pass``, ``no_gain``, ``fail`` or ``none`` (see :class:`kernelcrew.service.summary.JobSummary`)."""
     speedup: float | None
     speedup_ci: list[float] | None
+    speedup_timing: str | None
+    """``final``, ``step`` or ``baseline``: which timing the speedup is."""
     cpu_timing: bool
     answer_kind: str | None
     age: str
 
 
 def job_row(job: Any) -> JobRow:
-    outcome = job.outcome()
-    summary = summarize(job.task_source, outcome)
+    """The job's list entry, from its (cached) summary: the same fields as the API's job list."""
+    summary = job.summary()
     return JobRow(
         id=job.id,
         status=job.status,
         mode=job.mode,
-        task=summary.task_name,
-        target=target_of(job.options or {}, outcome),
-        verdict=summary.verdict,
-        speedup=summary.speedup,
-        speedup_ci=summary.speedup_ci,
-        cpu_timing=summary.cpu_timing,
-        answer_kind=summary.answer_kind,
+        task=summary["task_name"],
+        target=target_of(job.options or {}, job.outcome()),
+        verdict=summary["verdict"],
+        speedup=summary["speedup"],
+        speedup_ci=summary["speedup_ci"],
+        speedup_timing=summary["speedup_timing"],
+        cpu_timing=summary["cpu_timing"],
+        answer_kind=summary["answer_kind"],
         age=age(job.created_at),
     )
+
+
+def answer_note(row: JobRow, report: dict[str, Any]) -> str:
+    """One sentence on what the answer is when the speedup needs one: a run with no gain (its answer
+    is the reference or ``torch.compile``) or a best timed only by its step (a cancelled run)."""
+    if row.verdict == "no_gain":
+        if row.answer_kind == "compiler":
+            compiled = (report.get("baseline") or {}).get("compile_ms") or {}
+            mode = min(compiled, key=compiled.__getitem__) if compiled else "default"
+            return (
+                "Candidates passed their checks but none was faster than eager: the answer is torch.compile "
+                f"(mode {mode}), faster than eager in the baseline timing."
+            )
+        return (
+            "Candidates passed their checks but none was faster than eager: the answer is the reference, "
+            "your module as it is."
+        )
+    if row.speedup_timing == "step":
+        return (
+            "The best's timing is the timing of the step that verified it: the job was cancelled before "
+            "its final timing."
+        )
+    return ""
 
 
 # ------------------------------------------------------------------------------------------------

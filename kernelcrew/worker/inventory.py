@@ -131,6 +131,16 @@ def list_workers(settings: Settings | None = None, *, client: redis.Redis | None
     return sorted(workers, key=lambda w: w.hostname)
 
 
+def device_counts(workers: list[WorkerInfo]) -> dict[str, int]:
+    """How many workers serve each device, labelled ``<model> (<arch>)`` (``h100-sxm (sm_90)``) or
+    ``cpu``, most served first (then by label)."""
+    counts: dict[str, int] = {}
+    for w in workers:
+        label = f"{w.model} ({w.arch})" if w.gpu else "cpu"
+        counts[label] = counts.get(label, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 class Heartbeat:
     """Publishes one worker's record now and every ``interval_s`` until stopped.
 

@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from contextlib import ExitStack
 from typing import Any
@@ -28,6 +27,7 @@ from kernelcrew.config import Settings, get_settings, resolve_database_url
 from kernelcrew.knowledge_base.db import get_engine, transaction
 from kernelcrew.records import BenchmarkRequest, JobResult, VerifyOutcome, VerifyRequest
 from kernelcrew.service import jobs
+from kernelcrew.service.webhooks import send_webhook
 
 log = logging.getLogger(__name__)
 
@@ -294,32 +294,3 @@ class Orchestrator:
         threading.Thread(
             target=send_webhook, args=(self.settings, self.engine, job.id, url, status, error), daemon=True
         ).start()
-
-
-def send_webhook(
-    settings: Settings, engine: Any, job_id: str, url: str, status: str, error: str | None
-) -> bool:
-    """POST ``{"id", "status", "error"}`` signed ``X-Kernelcrew-Signature: sha256=HMAC(secret, body)``."""
-    import hashlib
-    import hmac
-    import json
-
-    import httpx
-
-    with transaction(engine) as s:
-        job = s.get(jobs.Job, job_id)
-        tok = s.get(jobs.ApiToken, job.token_id) if job and job.token_id else None
-        secret = tok.webhook_secret if tok else ""
-    body = json.dumps({"id": job_id, "status": status, "error": error}, sort_keys=True).encode()
-    sig = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-    headers = {"content-type": "application/json", "x-kernelcrew-signature": f"sha256={sig}"}
-    for attempt in range(settings.webhook_attempts):
-        try:
-            r = httpx.post(url, content=body, headers=headers, timeout=10)
-            if r.status_code < 300:
-                return True
-        except httpx.HTTPError as exc:
-            log.info("webhook of %s: %s", job_id, exc)
-        time.sleep(2**attempt)
-    log.warning("webhook of job %s to %s not delivered", job_id, url)
-    return False

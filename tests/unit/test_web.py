@@ -327,3 +327,112 @@ def test_the_answer_is_shown_as_the_part_it_replaces_with_its_kernels_apart(site
     assert [p.name for p in replaced.parts] == ["pointwise_kernel", "pointwise"]  # not get_inputs, not _kc_*
     assert "_kc_" not in text
     assert replaced_part(TASK, "not python (") is None
+
+
+def store_optimize_job(engine, user: str, status: str, result: dict | None, task: str = TASK) -> str:
+    """An optimize job of ``user`` in ``status`` with ``result`` as the orchestrator stores it."""
+    with transaction(engine) as s:
+        owner = s.scalar(select(jobs.User.id).where(jobs.User.name == user))
+        job = jobs.Job(id=jobs.new_job_id(), owner_id=owner, status=status, mode="optimize", task_source=task,
+                       options={"device": "cuda"}, result=result, created_at=jobs.now(),
+                       finished_at=jobs.now() if status in jobs.ENDED else None)  # fmt: skip
+        s.add(job)
+        return job.id
+
+
+def no_gain_report(compile_ms: dict[str, float]) -> dict:
+    """An optimize run whose candidates passed, none faster than eager (its report keeps no best)."""
+    return {"status": "no_significant_gain", "stop_reason": "no gain in 3 steps", "device": "cuda",
+            "clock": "cuda-event", "baseline": {"eager_ms": 2.0, "compile_ms": compile_ms}, "best": None,
+            "iterations": [{"step": 1, "strategy": "fused_pointwise", "verdict": "pass", "new_best": False}]}  # fmt: skip
+
+
+def test_a_run_without_gain_is_not_a_failure_and_names_its_answer(site):
+    reference = store_optimize_job(site.engine, "ann", "succeeded", no_gain_report({"default": 2.6}))
+    compiled = store_optimize_job(
+        site.engine, "ann", "succeeded", no_gain_report({"max-autotune": 1.6, "default": 1.8})
+    )
+    c = site.signed_in("ann")
+    listing = c.get("/jobs").text
+    for job_id, kind in ((reference, "reference"), (compiled, "compiler")):
+        row = list_row(listing, job_id)
+        assert "verdict-fail" not in row and 'class="pill verdict-nogain"' in row and ">no gain<" in row
+        assert "status-succeeded" in row and f">{kind}<" in row
+
+    page = c.get(f"/jobs/{reference}").text
+    assert "verdict-fail" not in page and "No verified candidate" not in page
+    assert "the answer is the reference, your module as it is" in page
+    assert "No candidate was faster than eager, so there is no best source" in page
+    page = c.get(f"/jobs/{compiled}").text
+    assert "the answer is torch.compile (mode max-autotune)" in page
+    assert "1.25x" in page  # eager 2.0 ms over compile 1.6 ms, from the baseline timing
+
+    assert set(shown_ids(c, "?verdict=no_gain", reference, compiled)) == {reference, compiled}
+    assert shown_ids(c, "?verdict=fail", reference, compiled) == []
+    assert shown_ids(c, "?kind=compiler", reference, compiled) == [compiled]
+
+
+def test_a_cancelled_job_keeps_its_best_and_says_its_timing_is_the_steps(site):
+    report = json.loads(H100_REPORT.read_text())
+    report["stop_reason"] = "cancelled by its owner"
+    cancelled = store_optimize_job(
+        site.engine, "ann", "cancelled", {"report": report, "best_source": "class ModelNew: pass\n"}
+    )
+    finished = store_finished_job(
+        site.engine, "ann", json.loads(H100_REPORT.read_text()), "class ModelNew: pass\n"
+    )
+    c = site.signed_in("ann")
+    page = c.get(f"/jobs/{cancelled}").text
+    assert 'class="pill verdict-pass"' in page and "Download best.py" in page
+    assert "the step's timing (no final timing)" in page
+    assert "the job was cancelled before its final timing" in page
+    page = c.get(f"/jobs/{finished}").text
+    assert "no final timing" not in page and "cancelled before" not in page
+
+
+def shown_ids(c: TestClient, query: str, *ids: str) -> list[str]:
+    html = c.get(f"/jobs{query}").text
+    return [j for j in ids if f'href="/jobs/{j}"' in html]
+
+
+def test_the_web_list_filters_all_jobs_and_pages_through_them(site):
+    """The page's filters are the API's query: a match older than the newest 100 jobs is found, and
+    the list pages through every job with its filters kept in the links."""
+    old_pass = store_verify_job(site.engine, "ann", "pass", "right", (1.2, 1.8))
+    softmax = store_optimize_job(
+        site.engine, "ann", "queued", None, task='"""Row softmax."""\nimport torch\n'
+    )
+    with transaction(site.engine) as s:  # 130 newer queued jobs
+        owner = s.scalar(select(jobs.User.id).where(jobs.User.name == "ann"))
+        s.add_all(
+            jobs.Job(
+                id=jobs.new_job_id(),
+                owner_id=owner,
+                status="queued",
+                mode="optimize",
+                task_source=TASK,
+                options={},
+                created_at=jobs.now(),
+            )
+            for _ in range(130)
+        )
+    c = site.signed_in("ann")
+    assert shown_ids(c, "?verdict=pass", old_pass) == [old_pass]
+    assert shown_ids(c, "?mode=verify", old_pass) == [old_pass]
+    assert shown_ids(c, "?kind=kernel", old_pass) == [old_pass]
+    assert shown_ids(c, "?q=SOFTMAX", old_pass, softmax) == [softmax]
+    assert shown_ids(c, "?mode=optimize&q=softmax&status=queued", softmax) == [softmax]
+    assert shown_ids(c, "?q=softmax&verdict=pass", softmax, old_pass) == []
+
+    first = c.get("/jobs").text
+    assert "1\u2013100 of 132 jobs" in first and old_pass not in first and 'rel="prev"' not in first
+    older = re.search(r'href="([^"]+)" rel="next"', first).group(1)
+    assert older == "/jobs?offset=100"
+    second = c.get(older).text
+    assert "101\u2013132 of 132 jobs" in second and old_pass in second and 'rel="next"' not in second
+    assert 'href="/jobs" rel="prev"' in second
+
+    filtered = c.get("/jobs?mode=optimize&status=queued").text
+    assert "1\u2013100 of 131 jobs matching" in filtered
+    assert 'href="/jobs?status=queued&amp;mode=optimize&amp;offset=100" rel="next"' in filtered
+    assert 'value="optimize" selected' in filtered

@@ -1,4 +1,5 @@
-"""Liveness and readiness: ``/healthz`` (the process answers) and ``/readyz`` (database and broker)."""
+"""Liveness and readiness: ``/healthz`` (the process answers) and ``/readyz`` (database and broker,
+with the workers the inventory shows)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from kernelcrew.api.deps import EngineDep, SettingsDep
-from kernelcrew.api.schemas import Health, Readiness, errors
+from kernelcrew.api.schemas import Health, Readiness, WorkersSeen, errors
+from kernelcrew.config import Settings
 
 router = APIRouter(tags=["health"])
 
@@ -31,7 +33,8 @@ def read_health() -> Health:
 )
 def read_readiness(request: Request, engine: EngineDep, settings: SettingsDep) -> JSONResponse:
     """Whether the database and the broker answer and, where ``serve`` supervises orchestrators, at
-    least one runs: 200 when all hold, 503 naming what failed."""
+    least one runs: 200 when all hold, 503 naming what failed. The workers online are reported, not
+    required: with none, jobs wait in their queue until one comes, so the service is still ready."""
     from kernelcrew.worker import store
 
     checks: dict[str, str] = {}
@@ -50,5 +53,25 @@ def read_readiness(request: Request, engine: EngineDep, settings: SettingsDep) -
         checks["broker"] = "ok"
     except Exception as exc:
         checks["broker"] = f"error: {exc}"
-    answer = Readiness(ok=ready and checks["database"] == checks["broker"] == "ok", **checks)
+    ok = ready and checks["database"] == checks["broker"] == "ok"
+    answer = Readiness(ok=ok, **checks, workers=workers_seen(settings, checks["broker"] == "ok"))
     return JSONResponse(answer.model_dump(), status_code=200 if answer.ok else 503)
+
+
+def workers_seen(settings: Settings, broker_ok: bool) -> WorkersSeen:
+    """The worker inventory as ``/readyz`` reports it (read only when the broker answered)."""
+    import redis
+
+    from kernelcrew.worker.inventory import device_counts, list_workers
+
+    if not broker_ok:
+        return WorkersSeen(count=None, detail="unknown: the broker does not answer")
+    try:
+        online = list_workers(settings)
+    except (redis.RedisError, ValueError, TypeError) as exc:  # a record this version cannot read
+        return WorkersSeen(count=None, detail=f"error: {exc}")
+    if not online:
+        return WorkersSeen(count=0, detail="none online: jobs wait in their queue until a worker comes")
+    devices = device_counts(online)
+    listed = ", ".join(f"{n} x {label}" for label, n in devices.items())
+    return WorkersSeen(count=len(online), devices=devices, detail=f"{len(online)} online: {listed}")

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
-from sqlalchemy import func, select
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernelcrew.api.deps import EngineDep, Reader, SessionDep, SettingsDep, Submitter, own_job
@@ -17,6 +16,7 @@ from kernelcrew.api.inputs import shorten
 from kernelcrew.api.schemas import (
     AUTH_ERRORS,
     JobCreate,
+    JobMode,
     JobPublic,
     JobResultPublic,
     JobsPublic,
@@ -28,6 +28,7 @@ from kernelcrew.config import Settings
 from kernelcrew.knowledge_base.db import transaction
 from kernelcrew.service import jobs
 from kernelcrew.service.events import job_event_stream
+from kernelcrew.service.listing import MAX_QUERY, JobFilter, find_jobs
 from kernelcrew.service.submissions import (
     JobOptions,
     add_message,
@@ -35,6 +36,7 @@ from kernelcrew.service.submissions import (
     enqueue_job,
     read_source,
 )
+from kernelcrew.service.summary import AnswerKind, Verdict
 
 #: The largest offset or event sequence number a query takes (a 32-bit column; larger ones overflow).
 MAX_INT = 2**31 - 1
@@ -189,20 +191,37 @@ async def create_job(request: Request, who: Submitter, settings: SettingsDep, en
         return JobPublic.model_validate(job.to_dict())
 
 
-@router.get("", response_model=JobsPublic, responses=errors(*AUTH_ERRORS))
+@router.get(
+    "",
+    response_model=JobsPublic,
+    responses=errors(
+        *AUTH_ERRORS,
+        e422="A filter or paging parameter is invalid (its name is the error's loc), or has a NUL byte.",
+    ),
+)
 def list_jobs(
     who: Reader,
     session: SessionDep,
-    status: JobStatus | None = None,
+    status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
+    mode: Annotated[JobMode | None, Query(description="Only optimize jobs, or only verify jobs.")] = None,
+    verdict: Annotated[Verdict | None, Query(description="Only jobs with this verdict.")] = None,
+    kind: Annotated[
+        AnswerKind | None,
+        Query(description="Only jobs whose answer is of this kind (reference: none faster)."),
+    ] = None,
+    q: Annotated[
+        str | None,
+        Query(
+            min_length=1, max_length=MAX_QUERY, description="Only tasks whose name contains this, any case."
+        ),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
 ) -> JobsPublic:
-    """The caller's jobs, newest first (``status`` filters)."""
-    q = select(jobs.Job).where(jobs.Job.owner_id == who.user_id)
-    if status:
-        q = q.where(jobs.Job.status == status)
-    total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
-    rows = session.scalars(q.order_by(jobs.Job.created_at.desc()).limit(limit).offset(offset)).all()
+    """The caller's jobs, newest first, filtered over all of them (then paged); ``total`` counts the
+    jobs that pass the filters."""
+    where = JobFilter(status=status, mode=mode, verdict=verdict, kind=kind, q=q)
+    rows, total = find_jobs(session, who.user_id, where, limit, offset)
     items = [JobPublic.model_validate(r.to_dict()) for r in rows]
     return JobsPublic(items=items, total=total, limit=limit, offset=offset)
 
