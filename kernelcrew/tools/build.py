@@ -27,10 +27,12 @@ import inspect
 import linecache
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,7 +41,7 @@ from typing import Any
 from kernelcrew.config import get_settings
 from kernelcrew.task import TaskError, load_candidate, parse_python, source_digest
 from kernelcrew.tools.pycache import reachable_by_others
-from kernelcrew.tools.sandbox import StageError
+from kernelcrew.tools.sandbox import StageError, code_digest
 
 #: Hex characters of sha256(source) naming a candidate's cache folder and suffixing extension names.
 HASH_CHARS = 16
@@ -100,6 +102,60 @@ def build_env(source: str, root: Path | None = None) -> dict[str, str]:
         "TORCH_EXTENSIONS_DIR": str(dirs["torch_extensions"]),
         "TORCHINDUCTOR_CACHE_DIR": str(dirs["inductor"]),
     }
+
+
+#: Prefixed to a task's source to name its reference's build caches (apart from any candidate's).
+REFERENCE_CACHE_KEY = "# kernelcrew: the reference's build caches\n"
+
+
+def reference_cache_dirs(task_source: str, root: Path | None = None) -> dict[str, Path]:
+    """The build caches of a task's reference process (:func:`cache_dirs` of the task under its own
+    key): its ``torch.compile`` baselines compile once per task, and later processes timing the same
+    task (the final timing, another run) start from what the first one built. Only reference
+    processes write there; candidates never get it as a writable cache."""
+    return cache_dirs(REFERENCE_CACHE_KEY + task_source, root)
+
+
+def reference_build_env(task_source: str, root: Path | None = None) -> dict[str, str]:
+    """:func:`build_env` for a task's reference process (:func:`reference_cache_dirs`)."""
+    return build_env(REFERENCE_CACHE_KEY + task_source, root)
+
+
+def seed_from_reference(task_source: str, candidate_source: str, root: Path | None = None) -> bool:
+    """Give a ``torch.compile`` candidate's first evaluation the reference's compiled artifacts.
+
+    A candidate that compiles the reference (the compiler strategy, or an LLM's ``torch.compile``)
+    builds the same Inductor graphs and Triton kernels the baseline already built: starting from a
+    copy of the reference's caches its compile is a cache hit (seconds) instead of a cold compile.
+    The copy goes where the sandbox looks for this candidate's sealed caches (its own folder only;
+    the reference's stays as it was), and only while the candidate has none of its own. Returns
+    whether it seeded anything.
+    """
+    if not detect_source_kind(candidate_source)["compiler"]:
+        return False
+    reference = reference_cache_dirs(task_source, root)["root"]
+    target = cache_dirs(candidate_source, root)["root"]
+    scope = code_digest({"task_source": task_source, "candidate_source": candidate_source})
+    sealed = sorted(reference.glob("sealed-*"), key=lambda p: p.stat().st_mtime)
+    if sealed:  # isolated children: the reference's sealed build becomes the candidate's
+        if (target / f"sealed-{scope}").exists():
+            return False
+        staging = target / f".staging-{uuid.uuid4().hex[:12]}"
+        try:
+            shutil.copytree(sealed[-1], staging, symlinks=True)
+            os.rename(staging, target / f"sealed-{scope}")
+            return True
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            return False
+    # children that write their caches in place: the reference's files, where the candidate has none
+    seeded = False
+    for sub in ("inductor", "triton"):
+        src, dest = reference / sub, target / sub
+        if src.is_dir() and any(src.iterdir()) and not any(dest.iterdir()):
+            shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+            seeded = True
+    return seeded
 
 
 # ----------------------------------------------------------------------------------------------

@@ -581,7 +581,7 @@ def verify(
         verdict.failures = [Failure("static", f.message, details=f.to_dict()).to_dict() for f in findings]
         return verdict
 
-    from kernelcrew.tools.build import cache_dirs
+    from kernelcrew.tools.build import cache_dirs, seed_from_reference
 
     if golden is None:
         golden = make_golden(
@@ -608,6 +608,7 @@ def verify(
             "reference_aliases": any(r["alias"] for r in meta["sets"]),
             "profile_kind": profile_kind,
         }
+        seed_from_reference(task_source, candidate_source)
         res = sandbox.run(
             "kernelcrew.tools.harness:candidate_child",
             cand_payload,

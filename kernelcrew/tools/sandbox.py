@@ -723,7 +723,7 @@ def service_refusal(settings: Settings | None = None) -> str | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _code_digest(payload: dict[str, Any]) -> str:
+def code_digest(payload: dict[str, Any]) -> str:
     """A digest of the untrusted code a payload runs: the set of its task and candidate sources,
     however the payload lays them out (``candidate_source``, or ``candidates`` of a benchmark), so
     verifying, timing and profiling one candidate of one task share a build."""
@@ -1145,7 +1145,7 @@ class _Child:
         if env:
             child_env.update(env)
 
-        scope = _code_digest(payload)
+        scope = code_digest(payload)
         caches: list[tuple[Path, Path]] = []
         seccomp = _seccomp_file(workdir) if boxed else contextlib.nullcontext(None)
         seccomp_fd = seccomp.__enter__()

@@ -1418,10 +1418,15 @@ class _Sides:
     def launch(self) -> TimingFailure | None:
         """Start both processes; they load, compile and build at the same time, without waiting."""
         from kernelcrew.tools import sandbox
-        from kernelcrew.tools.build import cache_dirs
+        from kernelcrew.tools.build import (
+            cache_dirs,
+            reference_build_env,
+            reference_cache_dirs,
+            seed_from_reference,
+        )
         from kernelcrew.tools.correctness import child_env, share_inputs
 
-        device = self.payload["device"]
+        device, task_source = self.payload["device"], self.payload["task_source"]
         # Two processes take turns: OpenMP threads of the idle one must sleep, not spin on the
         # cores the other one is being timed on.
         env = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -1433,12 +1438,15 @@ class _Sides:
             "kernelcrew.tools.harness:reference_server",
             {**self.payload, "compile_modes": self.compile_modes},
             workdir=self.ref_dir,
-            env={**child_env(device), **env},
+            env={**child_env(device), **reference_build_env(task_source), **env},
             settings=self.settings,
+            writable=(reference_cache_dirs(task_source)["root"],),
         )
         if isinstance(started, sandbox.SandboxResult):
             return _side_failure("reference", started)
         self.reference = started
+        for src in sources:
+            seed_from_reference(task_source, src)
         started = sandbox.start(
             "kernelcrew.tools.harness:candidate_server",
             {

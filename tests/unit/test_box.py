@@ -336,7 +336,7 @@ def test_an_honest_evaluation_still_verifies_with_every_guarantee(reports, box_s
     must = set(sandbox.GUARANTEES) - {"memory_cgroup", "pids_limit", "syscall_filter"}
     assert all(guarantees[g] for g in must), guarantees
     # the candidate's Triton cache was private to its child, then sealed for this same code only
-    scope = sandbox._code_digest({"task_source": task, "candidate_source": candidate})
+    scope = sandbox.code_digest({"task_source": task, "candidate_source": candidate})
     assert (cache_dirs(candidate)["root"] / f"sealed-{scope}" / "triton").is_dir()
 
 
@@ -481,8 +481,8 @@ def test_verifying_timing_and_profiling_one_candidate_share_one_build():
     verify = {"task_source": "task", "candidate_source": "cand", "seed": 1}
     bench = {"task_source": "task", "candidates": {"candidate": {"source": "cand", "path": "c.py"}}}
     other_task = {"task_source": "another task", "candidate_source": "cand"}
-    assert sandbox._code_digest(verify) == sandbox._code_digest(bench)
-    assert sandbox._code_digest(verify) != sandbox._code_digest(other_task)
+    assert sandbox.code_digest(verify) == sandbox.code_digest(bench)
+    assert sandbox.code_digest(verify) != sandbox.code_digest(other_task)
 
 
 def test_a_box_where_the_cuda_driver_cannot_start_fails_its_probe_with_the_reason(monkeypatch):

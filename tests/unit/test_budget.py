@@ -95,10 +95,10 @@ def test_auto_compile_modes_time_one_mode_and_keep_the_second_for_the_budget():
 def test_the_first_step_is_expected_from_the_baseline_and_a_compile_step_costs_its_compiles():
     """Before any step ended, a step is two of the baseline's timing runs (9 s less the 4 s
     compile), and a torch.compile step adds three compiles of its mode (max-autotune: four times
-    the default's)."""
+    the default's), or one where the baseline built that mode (the candidate starts from its build)."""
     s = state()
     assert modelled_seconds(s, KERNEL) == pytest.approx(10.0)
-    assert modelled_seconds(s, COMPILE) == pytest.approx(10.0 + 3 * 4.0)
+    assert modelled_seconds(s, COMPILE) == pytest.approx(10.0 + 1 * 4.0)
     autotune = PlanStep(strategy="torch_compile_max_autotune", rationale="r", expected_gain=1.5)
     assert modelled_seconds(s, autotune) == pytest.approx(10.0 + 3 * 16.0)
     s.iterations = [{"step": 1, "elapsed_s": 40.0}]  # a 25 s step: the longest so far goes first
@@ -109,12 +109,13 @@ def test_the_budget_holds_on_a_cpu_too_and_keeps_room_for_the_fallback():
     """The budget is wall-clock time on any device. While the run has no answer and the baseline
     measured torch.compile faster than eager, a compiler step's time is kept for the fallback."""
     cpu = state("cpu", iterations=[{"step": 1, "elapsed_s": 29.0, "strategy": "fused_pointwise"}])
-    # 100 - 30 used - 15.3 final timing (1.7 x 9 s) - 22 fallback (10 s + 3 x 4 s compile)
-    assert _seconds_left(cpu) == pytest.approx(32.7, abs=0.5)
+    # 100 - 30 used - 15.3 final timing (1.7 x 9 s) - 14 fallback (10 s + one 4 s compile: the
+    # baseline compiled its mode, so it starts from that build)
+    assert _seconds_left(cpu) == pytest.approx(40.7, abs=0.5)
     assert _fits_budget(cpu, KERNEL)  # 14 s step
     cpu.iterations = [{"step": 1, "elapsed_s": 29.0 - 20.0}, {"step": 2, "elapsed_s": 29.0}]
     cpu.options.time_budget_s = 70.0
-    assert not _fits_budget(cpu, KERNEL), "a 20 s step does not fit in 2.7 s"
+    assert not _fits_budget(cpu, KERNEL), "a 20 s step does not fit in 10.7 s"
     cpu.best = Candidate(id="c1", strategy="fused_pointwise", source_kind="kernel", source="", verdict="pass")
     assert _seconds_left(cpu) == pytest.approx(24.7, abs=0.5), "with an answer, no fallback is kept"
 
@@ -247,14 +248,29 @@ def test_nothing_verified_and_no_compile_faster_means_the_reference_is_the_answe
     assert again.elapsed_s >= spent
 
 
-def test_the_compiler_candidate_the_baseline_measured_faster_is_verified_and_returned(tmp_path):
+def test_the_compiler_candidate_the_baseline_measured_faster_is_verified_and_returned(tmp_path, monkeypatch):
     """The baseline measures torch.compile faster than eager: its candidate is verified, timed and
     kept (kind compiler), first as insurance when it fits the budget like a step (on a loaded CPU
     its compiles may not), else when the run ends without an answer; the planner's model answers
-    no valid step, so the compiler's candidate is the answer, with the reason in the report."""
+    no valid step, so the compiler's candidate is the answer, with the reason in the report. The
+    candidate's first evaluation starts from what the baseline's compile built."""
+    import uuid
+
+    from kernelcrew.tools import build
+
+    seeded = []
+    real_seed = build.seed_from_reference
+
+    def spy(task_source, candidate_source, root=None):
+        seeded.append(real_seed(task_source, candidate_source, root))
+        return seeded[-1]
+
+    monkeypatch.setattr(build, "seed_from_reference", spy)
     budget = 400.0
     chat = ReplayChat(["no json here", "still none"])
-    data, md, wall, _ = optimize(tmp_path, budget, "default", max_iters=2, chat=chat, source=BIG_CHAIN)
+    source = f"{BIG_CHAIN}\n# {uuid.uuid4().hex}: caches of its own\n"
+    data, md, wall, _ = optimize(tmp_path, budget, "default", max_iters=2, chat=chat, source=source)
+    assert any(seeded), "the compiler candidate's first evaluation started cold"
     base = data["baseline"]
     assert base["compile_ms"]["default"] < base["eager_ms"], "precondition: the compiler beat eager here"
     records = data["iterations"]

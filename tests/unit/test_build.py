@@ -158,6 +158,41 @@ def test_cache_dirs_per_source(tmp_path):
     assert env["TORCH_EXTENSIONS_DIR"] == str(a["torch_extensions"])
 
 
+def test_a_compiler_candidate_starts_from_the_references_build_and_nothing_else_does(tmp_path):
+    """The reference's caches are apart from every candidate's; a candidate that calls torch.compile
+    gets a copy of the reference's sealed build as its own (once: what it has stays), a Triton
+    candidate gets nothing, and where children write in place (no sealed builds) the reference's
+    files are copied into a candidate's empty folders."""
+    from kernelcrew.tools.build import reference_build_env, reference_cache_dirs, seed_from_reference
+    from kernelcrew.tools.sandbox import code_digest
+
+    task = "import torch\nclass Model(torch.nn.Module):\n    pass\n"
+    compiled = "import torch\nclass ModelNew(torch.nn.Module):\n    f = torch.compile(lambda x: x)\n"
+    triton = "import triton\nclass ModelNew:\n    pass\n"
+    ref = reference_cache_dirs(task, tmp_path)
+    assert ref["root"] not in {cache_dirs(s, tmp_path)["root"] for s in (task, compiled, triton)}
+    assert reference_build_env(task, tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == str(ref["inductor"])
+
+    (ref["root"] / "sealed-abc" / "inductor").mkdir(parents=True)
+    (ref["root"] / "sealed-abc" / "inductor" / "graph.py").write_text("compiled by the reference")
+    scope = code_digest({"task_source": task, "candidate_source": compiled})
+    assert seed_from_reference(task, compiled, tmp_path)
+    own = cache_dirs(compiled, tmp_path)["root"] / f"sealed-{scope}"
+    assert (own / "inductor" / "graph.py").read_text() == "compiled by the reference"
+    (own / "inductor" / "graph.py").write_text("the candidate's own")
+    assert not seed_from_reference(task, compiled, tmp_path)  # a sealed build of its own stays
+    assert (own / "inductor" / "graph.py").read_text() == "the candidate's own"
+    assert not seed_from_reference(task, triton, tmp_path)
+    assert not any(cache_dirs(triton, tmp_path)["root"].glob("sealed-*"))
+
+    in_place = tmp_path / "in-place"
+    ref = reference_cache_dirs(task, in_place)
+    (ref["triton"] / "kernel.bin").write_text("ptx")
+    assert seed_from_reference(task, compiled, in_place)
+    assert (cache_dirs(compiled, in_place)["triton"] / "kernel.bin").read_text() == "ptx"
+    assert not seed_from_reference(task, compiled, in_place)  # not into folders that have files
+
+
 def test_cache_dirs_default_root_from_settings(monkeypatch):
     import shutil
     import tempfile
