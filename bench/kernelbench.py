@@ -263,6 +263,38 @@ def _f(x: Any, spec: str = ".4g", suffix: str = "") -> str:
     return "-" if x is None else format(x, spec) + suffix
 
 
+def _top(phases: dict[str, Any], n: int = 4) -> str:
+    """The ``n`` longest phases, longest first: ``golden 40 s, benchmark 31 s``."""
+    ranked = sorted(((k, v) for k, v in phases.items() if isinstance(v, int | float)), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v:.0f} s" for k, v in ranked[:n])
+
+
+def time_line(row: dict[str, Any]) -> str:
+    """One task's account in a line (from the row's ``phases``): the baseline's longest phases and
+    its golden child's, each step with its verdict and phases, the fallback and the final timing."""
+    ph, spent = row.get("phases"), row.get("budget_s") or {}
+    if not ph:
+        return ""
+    parts = [f"baseline {_f(spent.get('baseline_s'), '.0f')} s ({_top(ph['baseline'])})"]
+    if ph.get("golden"):
+        parts.append(f"golden child ({_top(ph['golden'])})")
+    for step in ph.get("steps") or []:
+        stage = f" at {step['stage']}" if step.get("verdict") != "pass" and step.get("stage") else ""
+        inner = _top(step.get("phase_s") or {})
+        parts.append(
+            f"{step.get('strategy')} {_f(step.get('seconds'), '.0f')} s {step.get('verdict') or '-'}{stage}"
+            + (f" ({inner})" if inner else "")
+        )
+    fallback = ph.get("fallback") or {}
+    if fallback.get("seconds"):
+        parts.append(f"fallback {fallback['seconds']:.0f} s")
+    elif fallback.get("skipped"):
+        parts.append(f"fallback skipped: {fallback['skipped'][:120]}")
+    if ph.get("final_timing") is not None:
+        parts.append(f"final timing {ph['final_timing']:.0f} s")
+    return f"- {row['task']}: " + "; ".join(parts)
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The result as a page: header, one row per task, summary lines, the targets table."""
     v = data.get("versions") or {}
@@ -309,6 +341,9 @@ def markdown(data: dict[str, Any]) -> str:
     ]:
         if s[key]:
             lines.append(f"- {label}: {', '.join(s[key])}")
+    account = [line for r in data["rows"] if (line := time_line(r))]
+    if account:
+        lines += ["", "## Where the time went", "", *account]
     lines += [
         "",
         "## Targets (issue 31)",

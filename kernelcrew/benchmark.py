@@ -79,6 +79,32 @@ def row_from_report(task: str, report: Report | None, wall_s: float) -> dict[str
         }
         if budget
         else None,
+        "phases": time_account(report, budget) if budget else None,
+    }
+
+
+def time_account(report: Report, budget: dict[str, Any]) -> dict[str, Any]:
+    """Where one run's seconds went, phase by phase: the baseline's phases and its golden child's,
+    each step (strategy, verdict, its profile node's phases), the fallback and the final timing. A
+    GPU run's table says from this, without another run, what used a task's budget."""
+    outcome = {r.get("step"): r for r in report.iterations}
+    fallback = budget.get("fallback") or {}
+    return {
+        "baseline": budget.get("baseline_phase_s") or {},
+        "golden": report.baseline.golden_phase_s or {},
+        "baseline_skipped": sorted(budget.get("baseline_skipped") or {}),
+        "steps": [
+            {
+                "strategy": s.get("strategy"),
+                "seconds": s.get("seconds"),
+                "verdict": outcome.get(s.get("step"), {}).get("verdict"),
+                "stage": outcome.get(s.get("step"), {}).get("stage"),
+                "phase_s": s.get("phase_s") or {},
+            }
+            for s in budget.get("steps") or []
+        ],
+        "fallback": {"seconds": fallback.get("seconds"), "skipped": fallback.get("skipped")},
+        "final_timing": budget.get("final_timing_s"),
     }
 
 

@@ -394,7 +394,14 @@ def test_kernelbench_cpu_dry_run_shards_resumes_and_writes_the_result(tmp_path, 
     assert data["summary"]["tasks"] == 2 and data["summary"]["errored"] == []
     saved = json.loads((results / "dry.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(data["rows"], default=str))
-    assert "| 2 | level2/1_Gemm_Sigmoid.py | gemm/pointwise | verified" in (results / "dry.md").read_text()
+    page = (results / "dry.md").read_text()
+    assert "| 2 | level2/1_Gemm_Sigmoid.py | gemm/pointwise | verified" in page
+    # where each task's seconds went, phase by phase, in the row and on the page
+    relu = data["rows"][0]["phases"]
+    assert relu["baseline"] and relu["golden"] and relu["final_timing"] is not None
+    assert [(s["strategy"], s["verdict"]) for s in relu["steps"]] == [("fused_pointwise", "pass")]
+    assert "## Where the time went" in page and "- l1_19_ReLU: baseline " in page
+    assert "fused_pointwise " in page.split("- l1_19_ReLU:")[1].splitlines()[0]
     capfd.readouterr()
     again = main(run)
     assert capfd.readouterr().err.count("skipped") == 2 and again["rows"] == saved["rows"]
