@@ -35,7 +35,7 @@ from kernelcrew.agents.planner import (
     refused_by_user,
     step_key,
 )
-from kernelcrew.agents.profiler import diagnose, time_candidate
+from kernelcrew.agents.profiler import diagnose
 from kernelcrew.agents.prompts.sections import ncu_text
 from kernelcrew.agents.state import Candidate, CrewState
 from kernelcrew.records import Report, VerifyRequest
@@ -136,8 +136,8 @@ def route_after_decide(state: CrewState) -> Literal["plan", "fall_back", "finali
 
 
 def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
-    """Verify and time the compiler candidate the baseline measured faster than eager, and keep it
-    as the answer if it passes and (on a GPU) is timed faster than eager again.
+    """Verify the compiler candidate the baseline measured faster than eager, and keep it as the
+    answer if it passes (its time is the baseline's of the same compile: :func:`timed_by_baseline`).
 
     A step that already verified it is not verified again (its timing stands until the final
     one). First (insurance) it runs when its expected time and the final report's share fit the
@@ -198,7 +198,7 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         cand.verdict, cand.stage, cand.message = verdict.verdict, verdict.stage, verdict.message
         cand.kind, cand.failures, cand.flags = verdict.kind, verdict.failures, verdict.flags
         ctx.emit("verify", candidate=cand.id, verdict=cand.verdict, stage=cand.stage, message=cand.message)
-        timed = time_candidate(state, ctx, cand) if cand.verdict == "pass" else cand
+        timed = timed_by_baseline(state, cand, mode) if cand.verdict == "pass" else cand
     kept = timed.verdict == "pass" and (opts.device == "cpu" or (timed.speedup_eager or 0.0) > 1.0)
     if not kept:
         note["skipped"] = (
@@ -229,6 +229,26 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         update["best"] = timed
         update["diagnosis"] = diagnose(state.baseline, timed)
     return update
+
+
+def timed_by_baseline(state: CrewState, cand: Candidate, mode: str) -> Candidate:
+    """The verified compiler fallback with the baseline's times of the same compile: the reference's
+    process compiled the module in ``mode`` and timed it against eager, interleaved, and the final
+    timing times the answer again. A timing run of its own would repeat that measurement at the
+    price of another compile and timing run out of the budget."""
+    base = state.baseline
+    compiled, eager = base.compile_ms[mode], base.eager_ms
+    flag = "timed in the baseline (torch.compile of the reference in its own process, against eager)"
+    if base.clock == "cpu-wall":
+        flag += "; CPU timings (wall clock): not GPU speedups"
+    return replace(
+        cand,
+        time_ms=compiled,
+        speedup_eager=eager / compiled if eager and compiled else None,
+        significant=bool(eager and compiled < eager * (1 - NOISE)),
+        speedup_compile=1.0,
+        flags=[*cand.flags, flag],
+    )
 
 
 def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:

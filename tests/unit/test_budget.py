@@ -277,6 +277,9 @@ def test_the_compiler_candidate_the_baseline_measured_faster_is_verified_and_ret
     [record] = [r for r in records if r.get("fallback")]
     assert any(r["stage"] == "plan" and r["verdict"] == "fail" for r in records)
     assert record["fallback"] and record["strategy"] == "torch_compile" and record["verdict"] == "pass"
+    # its time is the baseline's of the same compile: no timing run of its own
+    assert record["time_ms"] == pytest.approx(base["compile_ms"]["default"])
+    assert any("timed in the baseline" in flag for flag in record["flags"])
     best = data["best"]
     assert best["strategy"] == "torch_compile" and best["source_kind"] == "compiler"
     # kind is tools/kinds.py's reading of a profile: on a GPU Inductor's Triton kernels make it
