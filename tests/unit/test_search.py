@@ -410,3 +410,21 @@ def test_a_compiler_candidate_the_fallback_verified_is_not_planned_again(monkeyp
     for seed in range(8):
         state.options.seed = seed
         assert planner._plan_with_playbook(state, prefs) == rows
+
+
+def test_the_archive_and_a_steps_parent_survive_the_checkpointers_serializer():
+    """The state is checkpointed with the graph's own serializer (its allowed types only)."""
+    from kernelcrew.agents.graph import serializer
+
+    step = PlanStep(strategy="row_reduction", rationale="r", expected_gain=2.0, parent="c1", operator="tune")
+    archive = [entry("c1", 1, params={"BLOCK": {"x": 1024}}, ci_low=1.3, source="SRC").to_dict()]
+    serde = serializer()
+    back = serde.loads_typed(serde.dumps_typed({"archive": archive, "plan": step}))
+    assert back["archive"] == archive
+    assert back["plan"] == step
+    # a checkpoint written before the search: no archive, a plan without parent or operator
+    assert CrewState(task_source="").archive == []
+    assert (
+        PlanStep.model_validate({"strategy": "s", "rationale": "r", "expected_gain": 2.0}).operator
+        == "new_strategy"
+    )
