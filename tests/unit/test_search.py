@@ -428,3 +428,42 @@ def test_the_archive_and_a_steps_parent_survive_the_checkpointers_serializer():
         PlanStep.model_validate({"strategy": "s", "rationale": "r", "expected_gain": 2.0}).operator
         == "new_strategy"
     )
+
+
+def test_the_llm_plans_and_codes_from_the_parent_the_search_selected(monkeypatch):
+    """With seed 0 step 3 explores: the planner's prompt and the coder's base are the other niche's
+    best (c2), not the fittest (c1); step 2 exploits the fittest. The provider is a replay."""
+    from kernelcrew.agents import planner
+    from kernelcrew.agents.coder import code
+    from kernelcrew.agents.context import CrewContext
+    from kernelcrew.agents.llm import ReplayChat
+
+    assert [search.explores(0, s) for s in (2, 3)] == [False, True]
+    monkeypatch.setattr(planner, "_menu", lambda state: [])
+    archive = [
+        entry("c1", 1, "custom:tiles", ci_low=1.5, source="FITTEST_SOURCE").to_dict(),
+        entry("c2", 2, "custom:graph", ci_low=1.1, kind="hybrid", source="OTHER_SOURCE").to_dict(),
+    ]
+    best = Candidate(
+        id="c1", strategy="custom:tiles", source_kind="kernel", source="FITTEST_SOURCE", verdict="pass"
+    )
+    reply = {"strategy": "custom:vectorize", "rationale": "wider loads", "expected_gain": 1.2, "params": {}}
+    for steps_used, parent, shown in ((1, "c1", "FITTEST_SOURCE"), (2, "c2", "OTHER_SOURCE")):
+        chat = ReplayChat([json.dumps(reply), "```python\nclass ModelNew:\n    pass\n```"])
+        runtime = SimpleNamespace(context=CrewContext(executor=None, chat=chat))
+        state = CrewState(
+            task_source="class Model: pass",
+            options=Options(device="cuda", backend="replay"),
+            archive=archive,
+            best=best,
+            kb_hits=[],
+            steps_used=steps_used,
+        )
+        step = planner.plan(state, runtime)["plan"]
+        assert (step.strategy, step.operator, step.parent) == ("custom:vectorize", "llm_edit", parent)
+        assert shown in chat.sent[0][-1].content
+        draft = code(CrewState(**{**state.__dict__, "plan": step}), runtime)["draft"]
+        assert draft.source.startswith("class ModelNew")
+        assert shown in chat.sent[1][-1].content
+        hidden = "OTHER_SOURCE" if shown == "FITTEST_SOURCE" else "FITTEST_SOURCE"
+        assert hidden not in chat.sent[1][-1].content
