@@ -359,6 +359,13 @@ class Report(StoredRecord):
     elapsed_s: float = Field(0.0, description="The run's wall time.")
     reproduce: str = Field("", description="The command that reruns it.")
     knowledge_base: Json = Field(default_factory=dict, description="Hits used and the win recorded.")
+    lineage: list[Json] = Field(
+        default_factory=list,
+        description="The best's ancestors, the root first: step, strategy, params, operator, speedup.",
+    )
+    search: Json = Field(
+        default_factory=dict, description="The search: archive size, niches, steps and verified per operator."
+    )
 
 
 # ------------------------------------------------------------------------------------------------

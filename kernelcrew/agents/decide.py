@@ -5,6 +5,9 @@ On a GPU a candidate becomes the best only when its speedup over eager is signif
 bound of its 95% interval above 1) and it beats the best so far by more than the noise of both
 timings. On a CPU, interpreter timings never drive a decision: the first verified candidate is
 kept, an own kernel preferred over a library or compiler one, and its timings are labelled CPU.
+Every verified candidate also goes into the search's archive with its step's parent and operator
+(:mod:`kernelcrew.agents.search`, which chooses what the next step varies); the rules that stop
+a run are :func:`kernelcrew.agents.search.stop_reason`'s.
 
 When the baseline measured torch.compile faster than eager, the compiler candidate is verified and
 timed first (``fall_back``, like any step), so the run has an answer whatever the budget allows
@@ -21,6 +24,7 @@ from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
+from kernelcrew.agents import search
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.planner import (
     GRACE,
@@ -40,7 +44,7 @@ from kernelcrew.agents.prompts.sections import ncu_text
 from kernelcrew.agents.state import Candidate, CrewState
 from kernelcrew.records import Report, VerifyRequest
 
-KIND_RANK = {"kernel": 0, "hybrid": 1, "library": 2, "compiler": 3}
+KIND_RANK = search.KIND_RANK
 
 
 def is_better(new: Candidate, best: Candidate | None, device: str) -> bool:
@@ -81,9 +85,22 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             record["ncu_text"] = ncu_text(draft.ncu)  # the planner's history shows every candidate's
         if state.plan is not None:
             record.update(
-                strategy=state.plan.strategy, params=state.plan.params, rationale=state.plan.rationale
+                strategy=state.plan.strategy,
+                params=state.plan.params,
+                rationale=state.plan.rationale,
+                operator=state.plan.operator,
+                parent=state.plan.parent,
             )
             update["tried"] = [*state.tried, step_key(state.plan.strategy, state.plan.params)]
+        if draft is not None and draft.verdict == "pass":
+            plan = state.plan
+            entry = search.Entry.from_candidate(
+                draft,
+                steps,
+                plan.parent if plan is not None else None,
+                plan.operator if plan is not None else "new_strategy",
+            )
+            update["archive"] = [entry.to_dict()]
         gained = draft is not None and is_better(draft, best, opts.device)
         record["new_best"] = gained
         if gained:
@@ -103,12 +120,17 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     stop = state.stop_reason
     max_iters = opts.max_iters
     if not stop:
-        if steps >= max_iters:
-            stop = f"iteration budget reached ({max_iters})"
-        elif elapsed >= opts.time_budget_s:
-            stop = f"time budget reached ({opts.time_budget_s:g} s)"
-        elif since_gain >= opts.patience and opts.device != "cpu" and best is not None:
-            stop = f"{since_gain} steps without a gain beyond noise"
+        stop = search.stop_reason(
+            device=opts.device,
+            steps=steps,
+            max_iters=max_iters,
+            elapsed_s=elapsed,
+            time_budget_s=opts.time_budget_s,
+            since_gain=since_gain,
+            patience=opts.patience,
+            best_sol_fraction=best.sol_fraction if best is not None else None,
+            has_best=best is not None,
+        )
     update.update(
         steps_used=steps,
         since_gain=since_gain,
@@ -216,6 +238,7 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         "strategy": step.strategy,
         "rationale": step.rationale,
         "fallback": True,
+        "operator": "fallback",
         "new_best": kept,
     }
     ctx.emit("decide", step=record["step"], strategy=step.strategy, verdict=timed.verdict, new_best=kept)
@@ -225,6 +248,9 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         "elapsed_s": round(elapsed, 1),
         "budget": {**state.budget, "fallback": note},
     }
+    if prior is None and timed.verdict == "pass":
+        entry = search.Entry.from_candidate(timed, record["step"], None, "fallback")
+        update["archive"] = [entry.to_dict()]
     if kept:
         update["best"] = timed
         update["diagnosis"] = diagnose(state.baseline, timed)

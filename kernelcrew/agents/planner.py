@@ -3,7 +3,10 @@
 With an LLM it asks for a :class:`PlanStep` as JSON (validated; an invalid answer is re-asked
 once, then the step counts as failed). Without one, the playbook plans: the applicable
 strategies of the task's graph, own kernels first, each with its tuning configurations, never the
-same (strategy, parameters) twice, shaped by the user's guidance.
+same (strategy, parameters) twice, shaped by the user's guidance. Which of them comes next is the
+search engine's choice (:mod:`kernelcrew.agents.search`: vary the fittest verified candidate or
+explore another family; the menu's order until something verified); with an LLM the engine
+selects the parent whose source the planner and the coder edit.
 
 The user's commands (:mod:`kernelcrew.agents.guidance`; several in one message are all obeyed)
 bind both planners: the playbook never offers a refused strategy, and an LLM's step that the user
@@ -21,6 +24,7 @@ from typing import Any
 from langgraph.runtime import Runtime
 from pydantic import ValidationError
 
+from kernelcrew.agents import search
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.guidance import parse_commands
 from kernelcrew.agents.guidance import parse_guidance as parse_guidance  # re-exported
@@ -162,7 +166,11 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         update["kb_hits"] = state.kb_hits
     step = None
     if ctx.chat is not None and not state.llm_failure:
-        step, problem, provider_failed = _plan_with_llm(state, ctx)
+        archive = search.Archive.from_dicts(state.archive, opts.device)
+        parent = search.select_parent(archive, seed=opts.seed, step=state.steps_used + 1)
+        step, problem, provider_failed = _plan_with_llm(state, ctx, parent)
+        if step is not None:
+            step = _llm_operator(step, archive, parent)
         if provider_failed:  # the playbook takes over for the rest of the run
             update["llm_failure"] = problem
             ctx.emit("llm_fallback", node="plan", message=f"{problem}; the playbook plans from now on")
@@ -194,29 +202,77 @@ LOSING_TO_COMPILE = 0.9
 
 
 def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | None:
+    """The search engine's next playbook step (:func:`kernelcrew.agents.search.propose`) among the
+    menu's untried steps that the user's guidance allows and the budget affords.
+
+    A strategy the user asked to try comes first; before anything verified the menu's order holds
+    (the knowledge base's and the playbook's), so the first step is the menu's first that fits.
+    With none that fits, the menu's first comes back (``plan`` then stops with the budget's reason).
+    """
     from kernelcrew.agents import playbook
 
-    tried = set(state.tried)
-    menu = [
+    archive = search.Archive.from_dicts(state.archive, state.options.device)
+    # a candidate verified outside a step (the compiler's fallback) is not tried again either
+    tried = set(state.tried) | {step_key(e.strategy, e.params) for e in archive.entries}
+    allowed = [
         s
         for s in _menu(state)
-        if step_key(s.strategy, s.params) not in tried
-        and s.strategy not in prefs["skip"]
+        if s.strategy not in prefs["skip"]
         and not (prefs["only_kernels"] and playbook.STRATEGIES[s.strategy].source_kind != "kernel")
         and not (prefs.get("no_compiler") and playbook.STRATEGIES[s.strategy].source_kind == "compiler")
     ]
+    menu = [s for s in allowed if step_key(s.strategy, s.params) not in tried]
+    attempted = {it.get("strategy") for it in state.iterations if it.get("strategy")}
     for wanted in prefs["try"]:
         for s in menu:
             if s.strategy == wanted:
-                return s
+                return _with_proposal(s, search.menu_step([s], 0, archive, attempted))
     best = state.best
-    if best is not None and best.speedup_compile is not None and best.speedup_compile < LOSING_TO_COMPILE:
+    losing = (
+        best is not None and best.speedup_compile is not None and best.speedup_compile < LOSING_TO_COMPILE
+    )
+    if losing:
         # the best so far clearly loses to torch.compile: the strategies not tried yet (the
         # compiler's own among them) go ahead of more configurations of those that lost
-        tried_strategies = {it.get("strategy") for it in state.iterations}
-        menu.sort(key=lambda s: s.strategy in tried_strategies)  # stable: the menu's order otherwise
-    # the first step expected to end inside the time budget; the first of all when none is
-    return next((s for s in menu if _fits_budget(state, s)), menu[0] if menu else None)
+        menu.sort(key=lambda s: s.strategy in attempted)  # stable: the menu's order otherwise
+    fitting = [s for s in menu if _fits_budget(state, s)]
+    if not fitting:  # the first of all; plan() stops the run unless it is the first step
+        return menu[0] if menu else None
+    recombinable = {s.strategy for s in allowed}
+    for recombine in (True, False):
+        proposal = search.propose(
+            archive,
+            fitting,
+            seed=state.options.seed,
+            step=state.steps_used + 1,
+            attempted=attempted,
+            tried=tried,
+            key=step_key,
+            recombinable=recombinable if recombine else set(),
+            prefer_new=losing,
+        )
+        if proposal is None:
+            return None
+        if proposal.index is not None:
+            return _with_proposal(fitting[proposal.index], proposal)
+        template = next(s for s in allowed if s.strategy == proposal.strategy)
+        step = _with_proposal(template.model_copy(update={"params": proposal.params}), proposal)
+        if _fits_budget(state, step):
+            return step
+    return None
+
+
+def _with_proposal(step: PlanStep, proposal: search.Proposal) -> PlanStep:
+    """The menu's step with the engine's operator, parent and reason."""
+    if proposal.operator == "new_strategy" and proposal.parent is None:
+        return step
+    return step.model_copy(
+        update={
+            "operator": proposal.operator,
+            "parent": proposal.parent,
+            "rationale": f"{step.rationale} ({proposal.why})"[:2000],
+        }
+    )
 
 
 def baseline_seconds(state: CrewState) -> float:
@@ -416,21 +472,42 @@ PLAN_SCHEMA = {
 """The planner's answer as a JSON schema (a :class:`PlanStep` without its ``source``)."""
 
 
-def _plan_with_llm(state: CrewState, ctx: CrewContext) -> tuple[PlanStep | None, str, bool]:
-    """(step or None, why not, whether the provider itself failed: no reply at all)."""
+def _llm_operator(step: PlanStep, archive: search.Archive, parent: search.Entry | None) -> PlanStep:
+    """The LLM's step as a search operator: a step of its own (``custom:``) edits the selected
+    parent's source (``llm_edit``); a playbook strategy is generated by its template, a new
+    strategy or a tuning of the fittest of its strategy in the archive."""
+    from kernelcrew.agents import playbook
+
+    if step.strategy not in playbook.STRATEGIES:
+        return step.model_copy(update={"operator": "llm_edit", "parent": parent.id if parent else None})
+    same = archive.fittest([e for e in archive.entries if e.strategy == step.strategy])
+    if same is None:
+        return step.model_copy(update={"operator": "new_strategy", "parent": None})
+    return step.model_copy(update={"operator": "tune", "parent": same.id})
+
+
+def _plan_with_llm(
+    state: CrewState, ctx: CrewContext, parent: search.Entry | None = None
+) -> tuple[PlanStep | None, str, bool]:
+    """(step or None, why not, whether the provider itself failed: no reply at all). The prompt's
+    candidate is the search's selected ``parent`` (the coder edits that source), else the best."""
     from kernelcrew.agents.llm import LLMError, Message, OutputSchema, extract_json, provider_failed
     from kernelcrew.agents.prompts import PLANNER_RETRY, render, sections
 
     menu = _menu(state)
     best = state.best
     base = state.baseline
+    if parent is not None and parent.source and (best is None or parent.id != best.id):
+        shown_source, shown_summary = parent.source, parent.to_dict(source=False)
+    else:
+        shown_source, shown_summary = (best.source, best.summary()) if best else (None, None)
     messages = render(
         "planner",
         task_source=sections.capped("task_source", state.task_source),
-        best_source=sections.capped("best_source", best.source)
-        if best
+        best_source=sections.capped("best_source", shown_source)
+        if shown_source
         else "(none yet: the reference is the baseline)",
-        best_summary=json.dumps(best.summary(), default=str) if best else "none",
+        best_summary=json.dumps(shown_summary, default=str) if shown_summary else "none",
         diagnosis=sections.capped("diagnosis", state.diagnosis or "none"),
         kb_hits=sections.capped("kb_hits", hits_text(state.kb_hits or [])),
         strategies=sections.capped(

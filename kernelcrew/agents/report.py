@@ -15,6 +15,7 @@ from typing import Any
 
 from langgraph.runtime import Runtime
 
+from kernelcrew.agents import search
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.knowledge import record_best
 from kernelcrew.agents.profiler import assess_subject
@@ -136,7 +137,32 @@ def build_report(state: CrewState, final: FinalTiming | None, ctx: CrewContext) 
         | ({"llm_fallback": state.llm_failure} if state.llm_failure else {}),
         elapsed_s=state.elapsed_s,
         reproduce=shlex.join(cmd),
+        lineage=_lineage(state),
+        search=search.summary(search.Archive.from_dicts(state.archive, opts.device), state.iterations),
     )
+
+
+def _lineage(state: CrewState) -> list[dict[str, Any]]:
+    """The best's chain of ancestors from the archive; a best the archive does not hold (a run
+    checkpointed before the archive existed) is its own one-link chain."""
+    best = state.best
+    if best is None:
+        return []
+    chain = search.lineage(search.Archive.from_dicts(state.archive, state.options.device), best.id)
+    if chain:
+        return chain
+    return [
+        {
+            "step": None,
+            "id": best.id,
+            "strategy": best.strategy,
+            "params": best.params,
+            "operator": None,
+            "parent": None,
+            "speedup_eager": best.speedup_eager,
+            "kind": best.kind,
+        }
+    ]
 
 
 def _roofline(base: Baseline, final: FinalTiming | None) -> dict[str, Any]:
@@ -313,6 +339,7 @@ def render_markdown(record: Report) -> str:
             f"| {it.get('step')} | {it.get('strategy')} {json.dumps(it.get('params') or {})} | {it.get('verdict')} | "
             f"{it.get('stage')} | {_ms(it.get('time_ms'))} | {_x(it.get('speedup_eager'))} | {it.get('new_best')} |"
         )
+    lines += _lineage_lines(report.get("lineage") or [], report.get("search") or {})
     failures = [it for it in report["iterations"] if it.get("verdict") == "fail"]
     if failures:
         lines += ["", "## Failures", ""]
@@ -335,6 +362,32 @@ def render_markdown(record: Report) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _lineage_lines(lineage: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
+    """How the answer was found: its ancestors, each with the operator that made it, and what
+    each operator of the search did."""
+    if not lineage:
+        return []
+    lines = ["", "## Lineage of the answer", ""]
+    for link in lineage:
+        origin = link.get("operator") or "unknown"
+        if link.get("parent"):
+            origin += f" of {link['parent']}"
+        step = f"step {link['step']}" if link.get("step") is not None else "earlier"
+        lines.append(
+            f"- {step}: {link.get('id')} {link.get('strategy')} {json.dumps(link.get('params') or {})} "
+            f"({origin}), {_x(link.get('speedup_eager'))} vs eager"
+        )
+    ops = summary.get("operators") or {}
+    if ops:
+        lines += [
+            "",
+            f"Search: {summary.get('archive_size', 0)} verified candidate(s); "
+            + ", ".join(f"{op} {c['verified']}/{c['steps']} verified" for op, c in ops.items())
+            + ".",
+        ]
+    return lines
 
 
 def _phase_text(phase_s: dict[str, float]) -> str:

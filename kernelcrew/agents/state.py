@@ -23,6 +23,13 @@ class PlanStep(BaseModel):
     expected_gain: float = Field(gt=0, le=1000, description="Expected speedup of this step (1.3 = 30%).")
     params: dict[str, Any] = Field(default_factory=dict)
     source: str = Field("playbook", description="Who proposed it: playbook or llm.")
+    parent: str | None = Field(
+        None, description="The archived candidate this step varies (none: from the reference)."
+    )
+    operator: str = Field(
+        "new_strategy",
+        description="The search's operator: new_strategy, tune, recombine, llm_edit or fallback.",
+    )
 
 
 @dataclass
@@ -111,11 +118,15 @@ class CrewState:
     repair: bool = False
     """Whether the coder repairs the failed draft next (set by the verifier)."""
     best: Candidate | None = None
-    """The best verified candidate so far; the coder branches from it."""
+    """The best verified candidate so far (the answer); the coder branches from it when the step
+    names no parent."""
     tried: list[str] = field(default_factory=list)
     """Strategies (with their parameters) already tried, whatever came of them."""
     iterations: Annotated[list[dict[str, Any]], operator.add] = field(default_factory=list)
     """One compact record per finished step (no sources)."""
+    archive: Annotated[list[dict[str, Any]], operator.add] = field(default_factory=list)
+    """The search's verified candidates with their evidence, parent and operator
+    (:class:`kernelcrew.agents.search.Entry` as dicts, sources included)."""
     user_messages: list[str] = field(default_factory=list)
     """The user's guidance, in order; each is answered once (``answered``)."""
     answered: int = 0
