@@ -909,6 +909,45 @@ def make_input_sets(task: Task, seed: int, count: int) -> list[list[Any]]:
     return sets
 
 
+#: Inputs above this size are not made a second time to compile ahead: the golden child holds
+#: the same task's inputs (and their float64 copies) on the device at the same time.
+WARMUP_INPUT_BYTES = 1024**3
+
+
+def compile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Compile the reference in each of ``compile_modes`` into the reference's build cache, on the
+    first seed set's shapes, while the golden child works: the benchmark's reference process then
+    loads the build instead of compiling it (the compile's CPU work overlaps the golden's)."""
+    import torch
+
+    from kernelcrew.tools import timing
+
+    device, seed = payload["device"], int(payload["seed"])
+    apply_precision(payload["precision"])
+    task = load_task(payload["task_source"], path=payload["task_path"])
+    reference, _ = build_reference(task, seed)
+    reference = reference.to(device).eval()
+    torch.manual_seed(seed + 1)
+    try:
+        with torch.device(device):
+            inputs = call_inputs(task.get_inputs, "get_inputs", task.name)
+    except Exception:  # a get_inputs() that needs CPU tensors, as for the golden
+        torch.manual_seed(seed + 1)
+        inputs = call_inputs(task.get_inputs, "get_inputs", task.name)
+    size = input_bytes(inputs)
+    if size > WARMUP_INPUT_BYTES:
+        return {"compile_s": {}, "skipped": f"inputs of {size / 1e9:.1f} GB"}
+    dev = timing._resolve_device(device)
+    compile_s = {}
+    with timing._on_device(dev):
+        inputs = to_device(inputs, device)
+        with torch.no_grad():
+            reference(*inputs)
+        for mode in payload["compile_modes"]:
+            compile_s[mode] = round(timing.compile_baseline(reference, mode, inputs)[1], 3)
+    return {"compile_s": compile_s}
+
+
 def _timing_inputs(task: Task, payload: dict[str, Any], workdir: Path) -> tuple[list[Any], dict[str, Any]]:
     """The input sets and weights both benchmark servers time with: the golden's shared files, or
     the same ones made again from the seed (randomized constant parameters included)."""

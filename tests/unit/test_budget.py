@@ -339,3 +339,47 @@ def test_the_compilers_measured_win_goes_first_and_steps_follow_it():
     assert route_after_fall_back(s) == "finalize", "the fallback at the end of a run"
     s.baseline.compile_ms = {"default": 1.99}  # within noise of eager: nothing to insure with
     assert route_after_baseline(s) == "plan"
+
+
+def test_the_reference_compiles_while_the_golden_is_made_and_its_timing_run_loads_that_build(
+    tmp_path, monkeypatch
+):
+    """With the overlap on (a GPU's default), a child compiles the reference into the reference's
+    build cache while the golden child works; the timing run then starts from that build."""
+    import uuid
+
+    from kernelcrew.records import BenchmarkRequest
+    from kernelcrew.tools import timing
+    from kernelcrew.tools.build import reference_cache_dirs
+    from tests.conftest import FIXTURES
+
+    source = (FIXTURES / "tasks" / "pointwise.py").read_text() + f"\n# {uuid.uuid4().hex}\n"
+    root = reference_cache_dirs(source)["root"]
+    found_at_start = []
+    real_benchmark = timing.benchmark
+
+    def benchmark(*args, **kwargs):
+        found_at_start.extend(p for p in root.rglob("*") if p.is_file())
+        return real_benchmark(*args, **kwargs)
+
+    monkeypatch.setattr(timing, "benchmark", benchmark)
+    executor = LocalExecutor(Settings(data_dir=tmp_path / "data"))
+    assert executor.overlap_compile is None  # auto: on a GPU only
+    executor.overlap_compile = True
+    request = BenchmarkRequest(
+        task_source=source,
+        task_path="pointwise.py",
+        device="cpu",
+        precision="strict",
+        seed=3,
+        candidates={},
+        compile_modes=["default"],
+        quick=True,
+    )
+    try:
+        result = executor.benchmark(request)
+    finally:
+        executor.close()
+    assert result.failure is None and result.compile_s["default"] > 0
+    assert result.phase_s["compile_ahead"] >= 0 and "golden" in result.phase_s
+    assert found_at_start, "the timing run started with no build in the reference's cache"
