@@ -83,8 +83,12 @@ def compile_ahead(request: BenchmarkRequest, settings: Settings) -> None:
         "precision": request.precision,
         "task_source": request.task_source,
         "task_path": request.task_path,
-        "compile_modes": list(request.compile_modes),
+        # default mode only: its tuning is Triton configurations the timing run times again
+        # (forget_tuning); max-autotune's template choices would be kept as made under load
+        "compile_modes": [m for m in request.compile_modes if m == "default"],
     }
+    if not payload["compile_modes"]:
+        return
     workdir = sandbox.make_workdir("kc-compile-")
     try:
         sandbox.run(

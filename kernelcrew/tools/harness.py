@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -945,7 +946,21 @@ def compile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             reference(*inputs)
         for mode in payload["compile_modes"]:
             compile_s[mode] = round(timing.compile_baseline(reference, mode, inputs)[1], 3)
+    forget_tuning(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
     return {"compile_s": compile_s}
+
+
+def forget_tuning(inductor_cache: Path) -> int:
+    """Remove Inductor's autotuning choices (``*.best_config``) from a build, keeping its kernels.
+
+    They were timed while the golden child shared the device: the timing run's reference tunes
+    again on a quiet device (every configuration is built already, so that is only timing), and
+    the compile baseline is never one tuned under load. Returns how many were removed."""
+    removed = 0
+    for path in inductor_cache.rglob("*.best_config"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 def _timing_inputs(task: Task, payload: dict[str, Any], workdir: Path) -> tuple[list[Any], dict[str, Any]]:

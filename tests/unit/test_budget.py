@@ -383,3 +383,14 @@ def test_the_reference_compiles_while_the_golden_is_made_and_its_timing_run_load
     assert result.failure is None and result.compile_s["default"] > 0
     assert result.phase_s["compile_ahead"] >= 0 and "golden" in result.phase_s
     assert found_at_start, "the timing run started with no build in the reference's cache"
+
+
+def test_a_build_made_ahead_keeps_its_kernels_and_forgets_its_tuning(tmp_path):
+    """Autotuning choices timed while the golden shared the device are removed; kernels stay."""
+    from kernelcrew.tools.harness import forget_tuning
+
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "kernel.py").write_text("kernel")
+    (tmp_path / "ab" / "kernel.best_config").write_text('{"XBLOCK": 1024}')
+    assert forget_tuning(tmp_path) == 1
+    assert [p.name for p in (tmp_path / "ab").iterdir()] == ["kernel.py"]
