@@ -39,7 +39,7 @@ from kernelcrew.agents.planner import (
     refused_by_user,
     step_key,
 )
-from kernelcrew.agents.profiler import diagnose
+from kernelcrew.agents.profiler import NCU_COST, diagnose, with_ncu
 from kernelcrew.agents.prompts.sections import ncu_text
 from kernelcrew.agents.state import Candidate, CrewState
 from kernelcrew.records import Report, VerifyRequest
@@ -290,9 +290,12 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     ctx = runtime.context
     opts = state.options
     started = time.time()
-    used = started - state.started_at if state.started_at else 0.0
+    profiled, ncu_note = profile_answer(state, ctx)
+    if profiled is not state.best:
+        state = replace(state, best=profiled)
+    used = time.time() - state.started_at if state.started_at else 0.0
     left = opts.time_budget_s - used
-    final: dict[str, Any] = {"compile_modes": list(opts.compile_modes), "quick": opts.quick}
+    final: dict[str, Any] = {"compile_modes": list(opts.compile_modes), "quick": opts.quick, **ncu_note}
     timed_state = state
     if state.best is not None and opts.compile_modes and final_reserve_s(state) > left:
         quick = opts.quick or 2.0 * reference_timing_s(state) > left
@@ -325,7 +328,26 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         write_report(ctx.out_dir, report, best_py)
         with (ctx.out_dir / "report.md").open("a") as md:
             md.write("\n".join(budget_lines(report)) + "\n")
-    return {**update, "report": report}
+    return {**update, "report": report, **({"best": state.best} if ncu_note.get("ncu_s") else {})}
+
+
+def profile_answer(state: CrewState, ctx: CrewContext) -> tuple[Candidate | None, dict[str, Any]]:
+    """The best with Nsight Compute's reading of it, for the report, when a GPU run's best has none
+    yet (a playbook run profiles only its answer: :func:`~kernelcrew.agents.profiler.profiles_each_candidate`)
+    and the profile fits the budget before the final timing's share; and what the budget note says."""
+    best = state.best
+    if best is None or best.ncu or not state.baseline.ncu.get("available"):
+        return best, {}
+    expected = NCU_COST * reference_timing_s(state)
+    used = time.time() - state.started_at if state.started_at else 0.0
+    left = state.options.time_budget_s - used - final_reserve_s(state)
+    if expected > left:
+        return best, {
+            "ncu": f"Nsight Compute of the answer not run: it would take about {expected:.0f} s, and "
+            f"{max(left, 0):.0f} s of the budget are left before the final timing"
+        }
+    profiled = with_ncu(state, ctx, best)
+    return profiled, {"ncu_s": profiled.phase_s.get("ncu")}
 
 
 def _without_out_dir(ctx: CrewContext) -> Any:

@@ -258,28 +258,31 @@ def profile(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     clock = time.monotonic()
     timed = time_candidate(state, ctx, draft)
     timed.phase_s = {**timed.phase_s, "timing": round(time.monotonic() - clock, 2)}
-    best = state.best
-    faster = timed.time_ms is not None and (
-        best is None or best.time_ms is None or timed.time_ms < best.time_ms
-    )
-    # Nsight Compute on each new fastest candidate (the next diagnosis reads its metrics) and, when a
-    # model plans, on every verified one (its history shows each candidate's); the playbook reads
-    # only the best's, so it does not pay a profile per step.
-    llm_plans = ctx.chat is not None and not state.llm_failure
-    if timed.verdict == "pass" and (faster or llm_plans) and state.baseline.ncu.get("available"):
-        result = ctx.executor.profile(
-            ctx.request(
-                ProfileRequest,
-                state,
-                candidate_source=timed.source,
-                candidate_path=f"{timed.id}.py",
-                ncu=True,
-            )
-        )
-        timed.ncu = result.ncu
-        timed.phase_s["ncu"] = round(time.monotonic() - clock - timed.phase_s["timing"], 2)
-        ctx.emit("ncu", candidate=timed.id, available=(timed.ncu or {}).get("available"))
+    if timed.verdict == "pass" and profiles_each_candidate(state, ctx):
+        timed = with_ncu(state, ctx, timed)
     return {"draft": timed}
+
+
+def with_ncu(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candidate:
+    """``cand`` with the Nsight Compute summary of one forward, and its seconds in ``phase_s``."""
+    clock = time.monotonic()
+    result = ctx.executor.profile(
+        ctx.request(
+            ProfileRequest, state, candidate_source=cand.source, candidate_path=f"{cand.id}.py", ncu=True
+        )
+    )
+    profiled = replace(
+        cand, ncu=result.ncu, phase_s={**cand.phase_s, "ncu": round(time.monotonic() - clock, 2)}
+    )
+    ctx.emit("ncu", candidate=cand.id, available=(profiled.ncu or {}).get("available"))
+    return profiled
+
+
+def profiles_each_candidate(state: CrewState, ctx: CrewContext) -> bool:
+    """Whether every verified candidate gets Nsight Compute: when a model plans (its prompts show
+    each candidate's counters). The playbook never reads them, so a playbook run profiles only its
+    answer, once, at the end, when the budget affords it (``decide.profile_answer``)."""
+    return ctx.chat is not None and not state.llm_failure and bool(state.baseline.ncu.get("available"))
 
 
 def time_candidate(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candidate:

@@ -39,9 +39,11 @@ from tests.integration.test_service import (
 from tests.integration.test_worker import wait_for
 
 SANDBOX_S = 30  # long enough for a loaded 2-core CI host to run a timing child, short for the hang
-#: How long Redis stays down mid-job. (A minute-long outage passed on a quiet machine and failed once
-#: on a loaded CI host, cause not recorded: kept short here until that is understood.)
-REDIS_DOWN_S = 2
+#: How long Redis stays down mid-job: the minute issue 33 names. The orchestrator waits out a broker
+#: outage for ``KERNELCREW_TASK_QUEUE_TIMEOUT_S`` (an hour by default); the other service tests set
+#: it to 60 s, which a 60 s outage plus Redis's restart just exceeded, so here it is longer.
+REDIS_DOWN_S = 60
+BROKER_PATIENCE_S = 180
 SOFTMAX = (FIXTURES / "tasks" / "softmax.py").read_text()
 HANGS = (FIXTURES / "candidates" / "hangs.py").read_text()  # forward never returns
 
@@ -126,7 +128,10 @@ def faulty() -> Iterator[tuple[Service, PrivateRedis, PrivateCluster]]:
     store.start()
     cluster.ctl("start")
     try:
-        overrides = {"KERNELCREW_SANDBOX_TIMEOUT_S": str(SANDBOX_S)}
+        overrides = {
+            "KERNELCREW_SANDBOX_TIMEOUT_S": str(SANDBOX_S),
+            "KERNELCREW_TASK_QUEUE_TIMEOUT_S": str(BROKER_PATIENCE_S),
+        }
         with running_service(cluster.url, store.url, root, f"kcfault{store.port}", **overrides) as svc:
             with transaction(svc.engine) as s:
                 svc.tokens["alice"] = jobs.create_token(s, "alice", ["submit", "read"])[1]

@@ -394,3 +394,49 @@ def test_a_build_made_ahead_keeps_its_kernels_and_forgets_its_tuning(tmp_path):
     (tmp_path / "ab" / "kernel.best_config").write_text('{"XBLOCK": 1024}')
     assert forget_tuning(tmp_path) == 1
     assert [p.name for p in (tmp_path / "ab").iterdir()] == ["kernel.py"]
+
+
+class _NcuExecutor:
+    """Answers a profile request with a made-up Nsight Compute summary; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list = []
+
+    def profile(self, request):
+        from kernelcrew.records import ProfileResult
+
+        self.asked.append(request)
+        return ProfileResult(ncu={"available": True, "kernels": [{"name": "k", "duration_us": 4.0}]})
+
+
+def test_a_playbook_run_profiles_its_answer_once_at_the_end_when_the_budget_affords_it():
+    """The playbook never reads Nsight Compute's counters: no profile per candidate, one of the
+    answer for the report, only when it fits before the final timing; a model that plans gets
+    every verified candidate's."""
+    from dataclasses import replace
+
+    from kernelcrew.agents.context import CrewContext
+    from kernelcrew.agents.decide import profile_answer
+    from kernelcrew.agents.profiler import profiles_each_candidate
+
+    s = state("cuda")
+    s.baseline.ncu = {"available": True}
+    s.best = Candidate(
+        id="c1", strategy="fused_pointwise", source_kind="kernel", source="src", verdict="pass"
+    )
+    executor = _NcuExecutor()
+    ctx = CrewContext(executor=executor)
+    assert not profiles_each_candidate(s, ctx)
+    assert profiles_each_candidate(s, CrewContext(executor=executor, chat=ReplayChat([])))
+    s.started_at = time.time() - 10.0
+    profiled, note = profile_answer(s, ctx)
+    assert (
+        profiled.ncu["available"] and "ncu" in profiled.phase_s and note == {"ncu_s": profiled.phase_s["ncu"]}
+    )
+    assert [r.candidate_source for r in executor.asked] == ["src"]
+    assert profile_answer(replace(s, best=profiled), ctx) == (profiled, {})  # once
+    s.started_at = time.time() - s.options.time_budget_s + 5.0  # 5 s left: not before the final timing
+    kept, note = profile_answer(s, ctx)
+    assert (
+        kept is s.best and "Nsight Compute of the answer not run" in note["ncu"] and len(executor.asked) == 1
+    )
