@@ -23,6 +23,7 @@ Choices, for a queue of GPU jobs that each hold a GPU for seconds to minutes:
 from __future__ import annotations
 
 import logging
+import math
 import signal
 from typing import Any
 
@@ -48,7 +49,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "unacked_restore_interval": settings.worker_restore_interval_s,
             "unacked_restore_throttle": 1,
         },
-        "result_backend_transport_options": {"visibility_timeout": visibility},
+        "result_backend_transport_options": {
+            "visibility_timeout": visibility,
+            # Redis's client reconnects to the result store for as long as a call waits out a broker
+            # outage (Celery's default gives up after about 20 s and asks for a restart)
+            "retry_policy": {
+                "max_retries": max(20, math.ceil(settings.task_queue_timeout_s / 2)),
+                "interval_start": 0,
+                "interval_step": 1,
+                "interval_max": 2,
+            },
+        },
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",
         "result_serializer": "json",
