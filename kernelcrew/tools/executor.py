@@ -13,6 +13,7 @@ against the same inputs and reference outputs without recomputing them.
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import threading
 from collections import OrderedDict
@@ -32,6 +33,8 @@ from kernelcrew.records import (
 from kernelcrew.task import TaskError
 from kernelcrew.tools import sandbox
 from kernelcrew.tools.harness import Laps
+
+log = logging.getLogger(__name__)
 
 
 class ExecutorError(RuntimeError):
@@ -99,6 +102,8 @@ def compile_ahead(request: BenchmarkRequest, settings: Settings) -> None:
             settings=settings,
             writable=(reference_cache_dirs(request.task_source)["root"],),
         )
+    except Exception:  # the timing run compiles as it would have
+        log.warning("compiling the reference ahead failed", exc_info=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
