@@ -732,11 +732,24 @@ class _StaticChecker(ast.NodeVisitor):
         line = self.own_defs.get(node.id)
         return line is not None and isinstance(node.ctx, ast.Load) and node.lineno > line
 
+    def _module_walk(self, node: ast.Attribute) -> bool:
+        """``x.modules()`` called at once with no arguments: ``nn.Module.modules()``, the submodules
+        an init loop walks. ``sys.modules`` is a dict (calling it raises), so only the attribute
+        read by itself, not this call, reaches a module table."""
+        call = self.parents.get(node)
+        return (
+            node.attr == "modules"
+            and isinstance(call, ast.Call)
+            and call.func is node
+            and not call.args
+            and not call.keywords
+        )
+
     def visit_Attribute(self, node: ast.Attribute) -> None:
         attr = node.attr
         if _is_dunder(attr) and (attr not in ALLOWED_DUNDERS or not isinstance(node.ctx, ast.Load)):
             self.flag("dunder", f"access to {attr!r} is not allowed in a candidate", node)
-        elif attr in BANNED_ATTRS:
+        elif attr in BANNED_ATTRS and not self._module_walk(node):
             self.flag("introspection", f"access to {attr!r} is not allowed (frames or module tables)", node)
         elif attr in DISPATCH_ATTRS:
             self._flag_dispatch(attr, node)

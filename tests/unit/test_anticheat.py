@@ -78,6 +78,8 @@ def test_honest_candidate_breaks_no_rule():
         ("import importlib", "import"),
         ("from . import task", "import"),
         ("import sys\nsys.modules['x']", "introspection"),
+        ("from torch import nn\nwalk = nn.Module().modules", "introspection"),  # a read, not the call
+        ("import sys\nsys.modules(1)", "introspection"),
         ("import sys\nsys._getframe(1)", "introspection"),
         ("import sys\nsys.exit(0)", "module-attr"),
         ("import os\nos.system('ls')", "module-attr"),
@@ -240,6 +242,9 @@ HONEST_SNIPPETS = [
     "import dataclasses\n@dataclasses.dataclass\nclass C:\n    x: int = 1",
     "if __name__ == '__main__':\n    pass",
     "import torch\nx = torch.ops.aten.add(torch.ones(1), 1)",
+    # a weight-init loop over nn.Module.modules() (a reference that does this was refused a copy)
+    "from torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        for m in self.modules():\n            pass",
 ]
 
 
