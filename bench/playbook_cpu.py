@@ -24,7 +24,8 @@ tuple unpacking ``h, w = 32, 32``, arithmetic of literals ``2048 * 2``, and tupl
 * another value ``v`` becomes ``max(4, v // F)``, or ``max(4, v // F**2)`` from 16384 up (batch
   times a 393216-wide row is still too much at ``v // F``);
 * where one original constant divides another, the shrunk multiple is rounded up to a multiple
-  of the shrunk divisor (channels stay divisible by groups and heads, a dim by its chunk size).
+  of the shrunk divisor (channels stay divisible by groups and heads, a dim by its chunk size),
+  except a batch size (named so): 1024 is a multiple of 512 groups by chance, not by design.
 
 ``F`` is 16, then 4 where the model or its inputs fail to build or run at ``F = 16`` (a deep
 network whose poolings need room); a task that fails at both is reported as "shrink failed" and
@@ -57,6 +58,8 @@ from bench.kernelbench import DEFAULT_COUNTS, DEFAULT_SEED, sample  # noqa: E402
 
 #: Constants left as they are whatever their value: the geometry of a window, not a size.
 KEEP = re.compile(r"kernel|stride|pad|dilation|group", re.IGNORECASE)
+#: Constants never rounded up for divisibility: a batch size divides nothing that matters.
+BATCH = re.compile(r"batch", re.IGNORECASE)
 #: Shrink factors tried in turn.
 FACTORS = (16, 4)
 #: Values below this stay as they are.
@@ -148,7 +151,7 @@ def shrink(source: str, factor: int = FACTORS[0]) -> tuple[str, dict[str, list[i
     # Restore divisibility from the smallest constant up, so every divisor is final when used.
     for name in sorted(originals, key=lambda n: (originals[n], n)):
         old = originals[name]
-        if new[name] == old:
+        if new[name] == old or BATCH.search(name):
             continue
         step = 1
         for other, v in originals.items():
