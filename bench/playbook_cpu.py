@@ -25,7 +25,8 @@ tuple unpacking ``h, w = 32, 32``, arithmetic of literals ``2048 * 2``, and tupl
   times a 393216-wide row is still too much at ``v // F``);
 * where one original constant divides another, the shrunk multiple is rounded up to a multiple
   of the shrunk divisor (channels stay divisible by groups and heads, a dim by its chunk size),
-  except a batch size (named so): 1024 is a multiple of 512 groups by chance, not by design.
+  except a batch size (named so): 1024 is a multiple of 512 groups by chance, not by design;
+  a multiple of 4 stays one (a bottleneck's ``out_channels // 4`` is written in the module).
 
 ``F`` is 16, then 4 where the model or its inputs fail to build or run at ``F = 16`` (a deep
 network whose poolings need room); a task that fails at both is reported as "shrink failed" and
@@ -60,6 +61,8 @@ from bench.kernelbench import DEFAULT_COUNTS, DEFAULT_SEED, sample  # noqa: E402
 KEEP = re.compile(r"kernel|stride|pad|dilation|group", re.IGNORECASE)
 #: Constants never rounded up for divisibility: a batch size divides nothing that matters.
 BATCH = re.compile(r"batch", re.IGNORECASE)
+#: A constant that was a multiple of this stays one: modules divide channels by 2 or 4 in code.
+ALIGN = 4
 #: Shrink factors tried in turn.
 FACTORS = (16, 4)
 #: Values below this stay as they are.
@@ -153,7 +156,7 @@ def shrink(source: str, factor: int = FACTORS[0]) -> tuple[str, dict[str, list[i
         old = originals[name]
         if new[name] == old or BATCH.search(name):
             continue
-        step = 1
+        step = ALIGN if old % ALIGN == 0 else 1
         for other, v in originals.items():
             if other != name and 1 < v < old and old % v == 0 and new[other] > 1:
                 step = math.lcm(step, new[other])

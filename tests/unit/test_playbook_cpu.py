@@ -25,7 +25,8 @@ out_channels = 64
 num_groups = 32
 kernel_size = 3
 pool_stride = 19
-height = width = 240
+height = width = 250
+hidden = 400
 rows, cols = 4096, 4095
 big = 16384 * 24
 input_shape = (32768,)
@@ -54,6 +55,8 @@ def test_shrink_scales_sizes_and_keeps_geometry() -> None:
     c = _constants(out)
     # sizes shrink by 16 (never below 4), the very large ones by 256; an odd size stays odd
     assert c["batch_size"] == 8 and c["height"] == c["width"] == 15
+    # 400 // 16 = 25 is rounded up to stay a multiple of 4, as 400 was
+    assert c["hidden"] == 28
     assert c["rows"] == 256 and c["cols"] == 255 and c["big"] == 16384 * 24 // 256
     # each element of a shape: 32768 // 256 = 128, rounded up to stay a multiple of rows (4096 -> 256)
     assert c["input_shape"] == (256,)
