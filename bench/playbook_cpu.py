@@ -24,9 +24,10 @@ tuple unpacking ``h, w = 32, 32``, arithmetic of literals ``2048 * 2``, and tupl
 * another value ``v`` becomes ``max(4, v // F)``, or ``max(4, v // F**2)`` from 16384 up (batch
   times a 393216-wide row is still too much at ``v // F``);
 * where one original constant divides another, the shrunk multiple is rounded up to a multiple
-  of the shrunk divisor (channels stay divisible by groups and heads, a dim by its chunk size),
-  except a batch size (named so): 1024 is a multiple of 512 groups by chance, not by design;
-  a multiple of 4 stays one (a bottleneck's ``out_channels // 4`` is written in the module).
+  of the shrunk divisor (channels stay divisible by groups and heads, a dim by its chunk size);
+  a batch size (named so) is neither the multiple nor the divisor (1024 rows are a multiple of
+  512 groups by chance, 240 channels of a batch of 10);
+* a multiple of 4 stays one (a bottleneck's ``out_channels // 4`` is written in the module).
 
 ``F`` is 16, then 4 where the model or its inputs fail to build or run at ``F = 16`` (a deep
 network whose poolings need room); a task that fails at both is reported as "shrink failed" and
@@ -59,7 +60,7 @@ from bench.kernelbench import DEFAULT_COUNTS, DEFAULT_SEED, sample  # noqa: E402
 
 #: Constants left as they are whatever their value: the geometry of a window, not a size.
 KEEP = re.compile(r"kernel|stride|pad|dilation|group", re.IGNORECASE)
-#: Constants never rounded up for divisibility: a batch size divides nothing that matters.
+#: Constants neither rounded up for divisibility nor rounded to: a batch size divides nothing.
 BATCH = re.compile(r"batch", re.IGNORECASE)
 #: A constant that was a multiple of this stays one: modules divide channels by 2 or 4 in code.
 ALIGN = 4
@@ -158,7 +159,7 @@ def shrink(source: str, factor: int = FACTORS[0]) -> tuple[str, dict[str, list[i
             continue
         step = ALIGN if old % ALIGN == 0 else 1
         for other, v in originals.items():
-            if other != name and 1 < v < old and old % v == 0 and new[other] > 1:
+            if other != name and 1 < v < old and old % v == 0 and new[other] > 1 and not BATCH.search(other):
                 step = math.lcm(step, new[other])
         if step > 1:
             new[name] = -(-new[name] // step) * step

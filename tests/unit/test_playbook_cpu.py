@@ -63,10 +63,16 @@ def test_shrink_scales_sizes_and_keeps_geometry() -> None:
     # window geometry (by name), small values and floats stay as they are
     assert c["kernel_size"] == 3 and c["pool_stride"] == 19 and c["in_channels"] == 3 and c["scale"] == 2.5
     # 64 // 16 = 4 channels would not split into 32 groups: rounded up to a multiple of the groups;
-    # the batch (128, a multiple of 32 too) is not
+    # the batch (128, a multiple of the 32 groups too) is not
     assert c["num_groups"] == 32 and c["out_channels"] == 32
     assert changed["batch_size"] == [128, 8] and "kernel_size" not in changed
     assert "def forward" in out  # the rest of the file is untouched
+
+
+def test_a_batch_size_divides_nothing() -> None:
+    """240 channels are a multiple of a batch of 10 by chance: 240 // 16 = 15, a multiple of 4 -> 16."""
+    out, _ = shrink("batch_size = 10\nchannels = 240\n", 16)
+    assert _constants(out) == {"batch_size": 10, "channels": 16}
 
 
 def test_shrunk_task_builds_and_runs() -> None:
