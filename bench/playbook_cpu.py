@@ -215,6 +215,7 @@ def run_task(entry: dict[str, Any], root: Path, work: Path, arch: str, timeout_s
     """One task's row: the shrink, the analysis, each own-kernel candidate and its verdict."""
     from kernelcrew.agents import playbook
     from kernelcrew.config import Settings
+    from kernelcrew.task import TaskError
     from kernelcrew.tools.correctness import make_golden, verify
 
     started = time.monotonic()
@@ -236,12 +237,13 @@ def run_task(entry: dict[str, Any], root: Path, work: Path, arch: str, timeout_s
     settings = Settings(sandbox_timeout_s=timeout_s)
     try:
         analysis = playbook.analyze(shrunk, str(path), settings=settings)
-    except Exception as exc:
+    except TaskError as exc:
         row.update(status="analysis failed", message=_first_line(exc))
         row["seconds"] = round(time.monotonic() - started, 1)
         return row
-    own = [(s, why) for s, why in playbook.applicable(analysis) if s.source_kind == "kernel"]
-    row["applicable"] = [s.name for s, _ in playbook.applicable(analysis)]
+    found = [s for s, _ in playbook.applicable(analysis)]
+    own = [s for s in found if s.source_kind == "kernel"]
+    row["applicable"] = [s.name for s in found]
     if not own:
         rejected = playbook.rejected(analysis)
         row.update(status="no own-kernel strategy", message=_first_line(rejected.get("anchored_fusion", "")))
@@ -250,7 +252,7 @@ def run_task(entry: dict[str, Any], root: Path, work: Path, arch: str, timeout_s
 
     golden = None
     try:
-        for strategy, _ in own:
+        for strategy in own:
             t0 = time.monotonic()
             cand: dict[str, Any] = {"strategy": strategy.name, "generated": False}
             row["candidates"].append(cand)
@@ -258,14 +260,18 @@ def run_task(entry: dict[str, Any], root: Path, work: Path, arch: str, timeout_s
                 params = playbook.tuning_space(strategy.name, analysis, arch)[0]
                 cand["params"] = params
                 text = playbook.generate(strategy.name, shrunk, analysis, params)
-            except Exception as exc:
+            except Exception as exc:  # a generator that raises is a finding of this bench: a row
                 cand.update(
                     why=f"{type(exc).__name__}: {_first_line(exc)}", seconds=round(time.monotonic() - t0, 1)
                 )
                 continue
             cand["generated"] = True
-            if golden is None:
-                golden = make_golden(shrunk, device="cpu", seed=0, task_path=str(path), settings=settings)
+            if golden is None:  # one per task, made only where a candidate needs it
+                try:
+                    golden = make_golden(shrunk, device="cpu", seed=0, task_path=str(path), settings=settings)
+                except TaskError as exc:  # the task's reference, not a candidate
+                    row.update(status="golden failed", message=_first_line(exc))
+                    break
             cand_path = work / f"{entry['task']}_{strategy.name}.py"
             cand_path.write_text(text)
             try:
@@ -278,13 +284,11 @@ def run_task(entry: dict[str, Any], root: Path, work: Path, arch: str, timeout_s
                     settings=settings,
                 )
                 cand.update(verdict=v.verdict, stage=v.stage, message=_first_line(v.message), kind=v.kind)
-            except Exception as exc:
+            except Exception as exc:  # the judge could not judge (a row too, never the end of the run)
                 cand.update(
                     verdict="error", stage="harness", message=f"{type(exc).__name__}: {_first_line(exc)}"
                 )
             cand["seconds"] = round(time.monotonic() - t0, 1)
-    except Exception as exc:  # the golden itself failed: the task, not a candidate
-        row.update(status="golden failed", message=f"{type(exc).__name__}: {_first_line(exc)}")
     finally:
         if golden is not None:
             golden.cleanup()

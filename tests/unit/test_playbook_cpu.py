@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from bench.playbook_cpu import check_shrunk, shrink
+from bench.playbook_cpu import check_shrunk, shrink, summarize
 
 TASK = """
 import torch
@@ -83,3 +83,36 @@ def test_shrunk_task_builds_and_runs() -> None:
 def test_check_names_a_task_that_no_longer_runs() -> None:
     broken = TASK.replace("return torch.relu(", "return x.view(7, -1) + (")
     assert "RuntimeError" in check_shrunk(shrink(broken, 16)[0], "task.py")
+
+
+def test_summary_counts_tasks_and_groups_failures() -> None:
+    def row(task: str, level: int, status: str, *cands: dict) -> dict:
+        return {"task": task, "level": level, "stratum": "s", "status": status, "candidates": list(cands)}
+
+    ok = {"strategy": "anchored_fusion", "generated": True, "verdict": "pass", "stage": ""}
+    late = {
+        "strategy": "anchored_fusion",
+        "generated": True,
+        "verdict": "fail",
+        "stage": "timeout",
+        "message": "t",
+    }
+    none = {"strategy": "fused_pointwise", "generated": False, "why": "ValueError: no"}
+    rows = [
+        row("a", 1, "verified", ok, none),
+        row("b", 2, "generated", late),
+        row("c", 2, "no own-kernel strategy"),
+        row("d", 3, "shrink failed"),
+    ]
+    s = summarize(rows)
+    assert s["all"] == {
+        "tasks": 4,
+        "shrink_failed": 1,
+        "own_kernel_applicable": 2,
+        "generated": 2,
+        "verified": 1,
+    }
+    assert s["by_level"]["level2"]["verified"] == 0
+    assert s["failures"]["anchored_fusion / timeout"] == {"count": 1, "tasks": ["b"], "example": "t"}
+    assert s["failures"]["fused_pointwise / not generated"]["example"] == "ValueError: no"
+    assert s["by_strategy"]["anchored_fusion"] == {"applicable": 2, "generated": 2, "verified": 1}
