@@ -114,6 +114,39 @@ TASKS = {
         ["rows"],
         [],
     ),
+    # the second region reads the first one's value directly (the anchor between them, a tensor
+    # made on the value's device, only reads its attribute)
+    "region_reads_region": (
+        task(
+            "self.conv = nn.Conv2d(3, 4, 3)",
+            """
+            x = self.conv(x)
+            x = x + 0.5
+            x = torch.min(x, torch.tensor(0.0, device=x.device))
+            return F.gelu(x) * 2.0
+            """,
+            "torch.randn(2, 3, 8, 8)",
+            "[[torch.randn(1, 3, 5, 9)]]",
+        ),
+        ["pointwise", "pointwise"],
+        [],
+    ),
+    # a pointwise region, then a reduction over other dims than the last in a region of its own
+    "adjacent_regions": (
+        task(
+            "self.conv = nn.Conv2d(3, 4, 3)",
+            """
+            x = self.conv(x)
+            x = F.hardtanh(x, min_val=-0.5, max_val=0.5)
+            x = torch.mean(x, dim=(2, 3), keepdim=True)
+            return torch.tanh(x)
+            """,
+            "torch.randn(2, 3, 8, 8)",
+            "[[torch.randn(1, 3, 5, 9)]]",
+        ),
+        ["pointwise", "rows"],
+        [],
+    ),
     "two_anchors": (
         task(
             """

@@ -617,6 +617,7 @@ def _rewrite(graph):
         out.replace_all_uses_with(fused)
         for name in reversed(region["nodes"]):
             graph.erase_node(nodes[name])
+        nodes[region["out"]] = fused  # a later region may read this one's value by its old name
     graph.lint()
     return graph
 
