@@ -186,8 +186,10 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             }
     if step is None:
         step = _plan_with_playbook(state, prefs)
-    if step is not None and state.steps_used and not _fits_budget(state, step):
-        # nothing left that fits; the first step always starts, however heavy the task
+    planned = sum(1 for r in state.iterations if not r.get("fallback"))
+    if step is not None and planned and not _fits_budget(state, step):
+        # nothing left that fits; the first planned step always starts, however heavy the task
+        # (the compiler's fallback, verified first as insurance, is not one)
         return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
     if step is None:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}

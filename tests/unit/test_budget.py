@@ -440,3 +440,23 @@ def test_a_playbook_run_profiles_its_answer_once_at_the_end_when_the_budget_affo
     assert (
         kept is s.best and "Nsight Compute of the answer not run" in note["ncu"] and len(executor.asked) == 1
     )
+
+
+def test_the_first_planned_step_starts_even_after_the_fallback_used_the_budget(monkeypatch):
+    """The compiler's fallback, verified first as insurance, is not the run's first step: a heavy
+    task still gets one step of its own (on a loaded CPU the insurance left none fitting, and the
+    run ended with the compiler's answer only)."""
+    from kernelcrew.agents import planner
+    from kernelcrew.agents.context import CrewContext
+
+    kernel = PlanStep(strategy="fused_pointwise", rationale="r", expected_gain=2.0, source="playbook")
+    monkeypatch.setattr(planner, "_plan_with_playbook", lambda state, prefs: kernel)
+    s = state("cpu", kb_hits=[], started_at=time.time() - 95.0)  # 5 s of 100 left: nothing fits
+    s.iterations = [{"step": 1, "strategy": "torch_compile", "fallback": True, "elapsed_s": 60.0}]
+    s.steps_used = 1
+    runtime = SimpleNamespace(context=CrewContext(executor=None))
+    assert not planner._fits_budget(s, kernel)
+    assert planner.plan(s, runtime)["plan"] == kernel
+    s.iterations.append({"step": 2, "strategy": "fused_pointwise", "elapsed_s": 90.0})
+    s.steps_used = 2
+    assert planner.plan(s, runtime)["plan"] is None, "a second step starts only if it fits"
