@@ -9,9 +9,10 @@ Every verified candidate also goes into the search's archive with its step's par
 (:mod:`kernelcrew.agents.search`, which chooses what the next step varies); the rules that stop
 a run are :func:`kernelcrew.agents.search.stop_reason`'s.
 
-When the baseline measured torch.compile faster than eager, the compiler candidate is verified and
-timed first (``fall_back``, like any step), so the run has an answer whatever the budget allows
-later; a run that stops without a best (that first attempt did not fit) tries it again at the end. ``finish``
+When the baseline measured torch.compile faster than eager, the compiler candidate is verified
+first, with the baseline's times of the same compile (``fall_back``), so the run has an answer
+whatever the budget allows later; a run that stops without a best (that first attempt did not
+fit) tries it again at the end. ``finish``
 runs the final report with what the budget still affords and says in it what the budget covered
 and what the answer is (a candidate, the compiler's, or the reference itself).
 """
