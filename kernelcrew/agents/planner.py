@@ -307,7 +307,7 @@ STEP_FROM_BASELINE = 2.0
 COMPILES_PER_STEP = 3
 #: The same compiles when the baseline built the candidate's mode: the candidate starts from the
 #: reference's build (``tools.build.seed_from_reference``) and each compile is a cache hit. Counted
-#: as one cold compile for all of them: on a CPU a seeded compile took 2.4 s against 10.5 s cold.
+#: as one cold compile for all of them (an estimate: a cache hit still loads the build and tunes).
 WARM_COMPILES_PER_STEP = 1
 #: A compile's expected seconds when the baseline compiled nothing (``--compile-modes none``, the
 #: CPU's default). An assumption, not a measurement.
