@@ -52,13 +52,21 @@ def launch(
     """One resuming ``kernelcrew bench`` per GPU on its dealt share of ``order``, all started at once.
 
     Each shard is its own process group, so a shard stopped at a deadline takes its children with it.
+    Each shard's PyTorch thread pools get an equal share of the cores (``OMP_NUM_THREADS``, unless
+    set), so shards do not oversubscribe the machine and skew each other's CPU-side timings.
     """
     procs = []
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // max(1, len(gpus))))
     for gpu, names in zip(gpus, deal(order, len(gpus)), strict=True):
         if not names:  # fewer tasks than GPUs: an empty --tasks would mean all of them
             continue
         shard = out / f"gpu{gpu}"
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "KERNELCREW_DATA_DIR": str(shard / "data")}
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": gpu,
+            "KERNELCREW_DATA_DIR": str(shard / "data"),
+            "OMP_NUM_THREADS": threads,
+        }
         cmd = [sys.executable, "-m", "kernelcrew", "bench", str(suite), "--device", device]
         cmd += ["--tasks", ",".join(names), "--out", str(shard), "--resume", *extra]
         procs.append((gpu, shard, subprocess.Popen(cmd, env=env, start_new_session=True)))

@@ -77,7 +77,11 @@ class Settings(BaseSettings):
     )
     sandbox_user: str = Field("nobody", description="Unprivileged user the child drops to when run as root.")
     sandbox_timeout_s: float = 300.0
-    sandbox_cpu_s: int = 1800
+    sandbox_cpu_s: int = Field(
+        0,
+        description="RLIMIT_CPU of a child in CPU-seconds; 0: its wall-clock limit times the usable cores "
+        "(at least 1800).",
+    )
     sandbox_memory_mb: int = Field(
         0,
         ge=0,

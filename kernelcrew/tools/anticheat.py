@@ -616,12 +616,28 @@ class _StaticChecker(ast.NodeVisitor):
                 f"the module {ref.module!r} is used as a value ({ref.path!r}); only its attributes may be used",
                 node,
             )
-        elif isinstance(ref.obj, type) and context == "value":
+        elif isinstance(ref.obj, type) and context == "value" and not self._layer_factory(node, ref.obj):
             self.flag(
                 "class-value",
                 f"the library class {ref.path!r} is used as a value (only called, subclassed or type-checked)",
                 node,
             )
+
+    def _layer_factory(self, node: ast.AST, cls: type) -> bool:
+        """A ``torch.nn`` layer class handed over as a factory, as real models do it: a parameter's
+        default (``act_layer=nn.GELU``) or a keyword argument (``Block(norm_layer=nn.LayerNorm)``).
+        The class only travels to code that calls it; patching it would still be caught at run time
+        (the verifier's state check), and the reference runs in a process of its own."""
+        import torch
+
+        if not issubclass(cls, torch.nn.Module):
+            return False
+        parent = self.parents.get(node)
+        if isinstance(parent, ast.keyword):
+            return True
+        return isinstance(parent, ast.arguments) and (
+            node in parent.defaults or node in [d for d in parent.kw_defaults if d is not None]
+        )
 
     # --- imports -------------------------------------------------------------------------------
     def visit_Import(self, node: ast.Import) -> None:

@@ -167,6 +167,9 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
 
+#: CPU-seconds past the soft RLIMIT_CPU (SIGXCPU) before the hard one (SIGKILL).
+CPU_LIMIT_GRACE_S = 5
+
 #: The share of the machine's memory one child may use when no limit is configured.
 MACHINE_MEMORY_SHARE = 0.8
 
@@ -184,6 +187,18 @@ def machine_memory_limit(meminfo: Path = Path("/proc/meminfo")) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 32 * 1024**3
+
+
+def default_cpu_seconds(wall_s: float) -> int:
+    """A child's CPU-time limit when none is configured: every core this process may use, busy for
+    the whole wall-clock limit (at least 1800 s), so the wall clock is what binds. A fixed figure
+    would kill a child on a many-core machine that PyTorch's thread pools keep busy in a fraction of
+    its wall time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1800, int(wall_s * cores))
 
 
 @dataclass(frozen=True)
@@ -214,6 +229,8 @@ class SandboxLimits:
         )
         values["max_file_bytes"] = s.sandbox_max_file_bytes or values["disk_bytes"]
         values.update(overrides)
+        if not values["cpu_s"]:
+            values["cpu_s"] = default_cpu_seconds(float(values["wall_s"]))
         return cls(**values)
 
 
@@ -1463,7 +1480,7 @@ def _read_child_result(result: SandboxResult, path: Path, returncode: int | None
             hint = {
                 "SIGSEGV": "segmentation fault",
                 "SIGKILL": "killed (out of memory, or a limit was hit)",
-                "SIGXCPU": "CPU time limit exceeded",
+                "SIGXCPU": "its CPU-time limit was hit (KERNELCREW_SANDBOX_CPU_S)",
                 "SIGXFSZ": "file size limit exceeded",
                 "SIGABRT": "aborted",
                 "SIGBUS": "bus error",
@@ -1539,14 +1556,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _apply_limits(limits: dict[str, Any], drop_nproc: bool) -> None:
-    def lower(which: int, value: int) -> None:
+    def lower(which: int, value: int, grace: int = 0) -> None:
         _soft, hard = resource.getrlimit(which)
-        if hard != resource.RLIM_INFINITY:
-            value = min(value, hard)
-        resource.setrlimit(which, (value, value))
+        top = value + grace if hard == resource.RLIM_INFINITY else min(value + grace, hard)
+        resource.setrlimit(which, (min(value, top), top))
 
     lower(resource.RLIMIT_DATA, int(limits["memory_bytes"]))
-    lower(resource.RLIMIT_CPU, int(limits["cpu_s"]))
+    # A soft limit below the hard one: the child gets SIGXCPU (reported as the CPU limit) rather
+    # than a bare SIGKILL that reads like an out-of-memory kill.
+    lower(resource.RLIMIT_CPU, int(limits["cpu_s"]), grace=CPU_LIMIT_GRACE_S)
     lower(resource.RLIMIT_NOFILE, int(limits["max_open_files"]))
     lower(resource.RLIMIT_FSIZE, int(limits["max_file_bytes"]))
     lower(resource.RLIMIT_CORE, 0)

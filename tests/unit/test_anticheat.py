@@ -163,6 +163,11 @@ ESCAPES = [
     ("import torch\nx = dict(__torch_function__=print)", "dunder"),
     ("import torch\nk = '__torch_' + 'function__'\nx = {'__torch_function__': print}", "dunder"),
     ("import torch\nTT = torch.Tensor\nTT.add = print", "class-value"),
+    # only torch.nn layers pass as factories, and only as a default or a keyword argument
+    ("import torch\ndef f(t=torch.Tensor):\n    t.add = print", "class-value"),
+    ("import torch\ndef f(**kw):\n    pass\nf(t=torch.Tensor)", "class-value"),
+    ("from torch import nn\nG = nn.GELU\nG.forward = print", "class-value"),
+    ("from torch import nn\ndef f(c):\n    pass\nf(nn.GELU)", "class-value"),
     ("import torch\nx = torch.zeros(1)\ntype(x).add = print", "monkeypatch"),
     ("import torch\nx = torch.zeros(1)\nsetattr(type(x), 'add', print)", "monkeypatch"),
     ("import abc\nclass M(abc.ABCMeta):\n    pass", "module-attr"),
@@ -245,6 +250,10 @@ HONEST_SNIPPETS = [
     # a weight-init loop over nn.Module.modules() (a reference that does this was refused a copy)
     "from torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
     "        for m in self.modules():\n            pass",
+    # layer classes handed over as factories, as timm-style models do (two KernelBench Swin models)
+    "from torch import nn\nclass Mlp(nn.Module):\n    def __init__(self, act_layer=nn.GELU, *, norm=nn.LayerNorm):\n"
+    "        super().__init__()\n        self.act = act_layer()",
+    "from torch import nn\ndef block(**kw):\n    return kw\nb = block(norm_layer=nn.LayerNorm)",
 ]
 
 

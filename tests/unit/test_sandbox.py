@@ -91,7 +91,19 @@ def test_infinite_loop_times_out_and_the_group_is_killed(limits):
 def test_cpu_time_limit_kills_a_spinning_child(limits):
     res = sandbox.run(f"{T}:spin", {}, limits=SandboxLimits(**{**limits.__dict__, "wall_s": 30, "cpu_s": 2}))
     assert res.status == "crashed"
-    assert res.signal in ("SIGXCPU", "SIGKILL")
+    # SIGXCPU first, not a bare SIGKILL that reads like an out-of-memory kill
+    assert res.signal == "SIGXCPU", res
+    assert "CPU-time limit" in res.message
+
+
+def test_the_default_cpu_limit_lets_every_core_work_the_whole_wall_time(monkeypatch):
+    """On a 64-core machine a fixed 1800 CPU-seconds killed a golden child after about 30 s of wall
+    time while PyTorch's thread pools kept every core busy."""
+    monkeypatch.setattr(sandbox.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    limits = SandboxLimits.from_settings(Settings(sandbox_cpu_s=0, sandbox_timeout_s=300))
+    assert limits.cpu_s == 300 * 64
+    assert SandboxLimits.from_settings(Settings(sandbox_cpu_s=0), wall_s=10).cpu_s == 1800
+    assert SandboxLimits.from_settings(Settings(sandbox_cpu_s=50)).cpu_s == 50
 
 
 def test_printing_too_much_is_stopped(limits):
