@@ -167,6 +167,9 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
 
+#: Seconds a session's child that closed its channel gets to exit before the caller looks at it.
+EXIT_GRACE_S = 5.0
+
 #: CPU-seconds past the soft RLIMIT_CPU (SIGXCPU) before the hard one (SIGKILL).
 CPU_LIMIT_GRACE_S = 5
 
@@ -960,6 +963,7 @@ class Session:
             stdin.write(line)
             stdin.flush()
         except (BrokenPipeError, OSError) as exc:
+            self._let_exit()
             raise ChannelError(f"the child stopped reading requests: {exc}") from exc
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._child.limits.wall_s)
         deadline = min(deadline, self._child.started + self._child.limits.wall_s)
@@ -973,6 +977,7 @@ class Session:
             if ready:
                 chunk = os.read(self._replies, 65536)
                 if not chunk:
+                    self._let_exit()
                     raise ChannelError("the child closed its reply channel (it died or exited)")
                 self._buffer += chunk
                 if len(self._buffer) > 16 * 1024**2:
@@ -988,6 +993,12 @@ class Session:
             raise ChannelError(str(reply["error"])[:4000])
         reply.pop("seq")
         return reply
+
+    def _let_exit(self) -> None:
+        """A child whose channel closed is dying: give it a moment to exit, so whoever reads its
+        record next (``close()``) sees how it ended (a signal, a limit) instead of a live process."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._child.proc.wait(timeout=EXIT_GRACE_S)
 
     def close(self, timeout_s: float = 60.0) -> SandboxResult:
         """Tell the child to finish (end of requests), wait for it, and return its record."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -141,6 +142,10 @@ def serve_echo(payload, workdir, channel):
         seen += 1
         if message.get("die"):
             os._exit(9)
+        if message.get("close_then_die"):  # the channel closes a moment before the process ends
+            os.close(channel._reply_fd)
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGKILL)
         if message.get("forge"):  # user code writing a reply of its own, out of turn
             os.write(channel._reply_fd, b'{"forged": true, "seq": 0}\n')
         channel.reply({"echo": message["value"], "pid": os.getpid()})

@@ -315,6 +315,14 @@ def test_session_child_that_dies_or_forges_is_a_channel_error():
         session.request({"value": 1, "die": True})
     assert not session.close().ok
 
+    # A child whose channel closes just before it is killed: the error comes once it has ended,
+    # so its record says how (a timing run used to report only "closed its reply channel").
+    session = sandbox.start("tests.unit.sandbox_targets:serve_echo", {})
+    with pytest.raises(sandbox.ChannelError, match="closed its reply channel"):
+        session.request({"value": 1, "close_then_die": True})
+    assert session._child.proc.poll() is not None
+    assert session.close().signal == "SIGKILL"
+
     session = sandbox.start("tests.unit.sandbox_targets:serve_echo", {})
     with pytest.raises(sandbox.ChannelError, match="out of turn"):
         session.request({"value": 1, "forge": True})
