@@ -844,7 +844,8 @@ def run_rounds(
 
     Each round picks an input set and, with ``seeded``, a fresh-data seed from a secret random
     source; every callable of the round gets the same. ``sample_outputs`` reps of each callable in
-    ``sample_names`` (all when None), chosen from the secret source, are kept for judging: the lane
+    ``sample_names`` (all when None) among the planned rounds, and up to as many again among the
+    rounds past them, chosen from the secret source, are kept for judging: the lane
     hears which only after the rep (``lane.keep(name, key, pick)``), and ``on_sample(name, key,
     set_index)`` is called then. ``stats["samples_taken"]`` maps each key to ``(name, set_index,
     seed, pick)``, what the golden of that output needs (a CUDA graph's output too: key
@@ -881,6 +882,11 @@ def run_rounds(
         name: set(secret.sample(range(planned), min(sample_outputs, planned))) for name in judged
     }
     last_sample = max((max(s) for s in samples.values() if s), default=-1)
+    # A run goes on past the planned rounds until its timings are stable: those rounds are judged
+    # too, each rep with the planned rounds' rate, up to as many again, so a candidate honest only
+    # in its first rounds is as likely to be caught as one honest only in its last.
+    late_rate = min(1.0, sample_outputs / planned) if planned else 0.0
+    late_left = dict.fromkeys(judged, sample_outputs)
     taken: dict[str, tuple[str, int, int | None]] = {}
 
     clock_ms: dict[str, list[float]] = {name: [] for name in names}
@@ -910,6 +916,10 @@ def run_rounds(
             if rep["host_ms"] * 1e3 > lead_us[name]:
                 lead_short[name] += 1
             lead_us[name] = lead_for(host_ms[name])
+            late = rounds >= planned and late_left.get(name, 0) > 0 and secret.random() < late_rate
+            if late:
+                late_left[name] -= 1
+                samples[name].add(rounds)
             if name in samples and rounds in samples[name]:
                 key = f"timed:{name}:{rounds}"
                 pick = secret.randrange(2**62)
