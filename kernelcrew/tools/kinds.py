@@ -24,6 +24,7 @@ a vendor library kernel (:data:`LIBRARY_KERNEL`). Every doubt falls to ``library
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
 import time
 import types
@@ -83,6 +84,9 @@ COMPILED_REGION = ("Torch-Compiled Region", "## Call CompiledFxGraph")
 #: The profiler annotation around each profiled call, and the prefix of each timed Triton launch.
 CALL_MARK = "kernelcrew::call"
 LAUNCH_MARK = "kernelcrew::launch::"
+#: Profiler mark of the empty launch that measures the interpreter's cost of each launch.
+OVERHEAD_MARK = "kernelcrew::interpreter_overhead"
+_EMPTY_NAME = "kernelcrew_empty_kernel"
 
 _TOP_KERNELS = 10
 _MAX_NAME = 200
@@ -377,15 +381,22 @@ def profile_kind(
     return kind, evidence
 
 
-def _calls(fn: Callable[[Any], Any], inputs_list: Sequence[Any], reps: int, sync: Callable[[], None]) -> None:
+def _calls(fn: Callable[[Any], Any], inputs_list: Sequence[Any], reps: int, sync: Callable[[], None]) -> int:
+    """Run the calls, each inside :data:`CALL_MARK`; the elements of their outputs, all calls."""
     import torch
     from torch.profiler import record_function
 
+    from kernelcrew.tools.harness import flatten_outputs
+
+    elements = 0
     with torch.no_grad():
         for i in range(reps):
             with record_function(CALL_MARK):
-                fn(inputs_list[i % len(inputs_list)])
+                out = fn(inputs_list[i % len(inputs_list)])
                 sync()
+            with contextlib.suppress(Exception):
+                elements += sum(t.numel() for t in flatten_outputs(out))
+    return elements
 
 
 def _device_rows(
@@ -449,6 +460,12 @@ class _LaunchTimer:
         self.depth = 0
         self.launches: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
+        #: Seconds of the same launches of an empty kernel (same arguments and grid), interpreter only.
+        self.overhead: Counter[str] = Counter()
+        #: Elements each kernel stored (masked-off lanes not counted), interpreter only.
+        self.stored: Counter[str] = Counter()
+        self.interpreted: set[str] = set()
+        self.current = ""
 
     def _classes(self) -> list[type]:
         try:
@@ -474,6 +491,7 @@ class _LaunchTimer:
                 getattr(fn_self, "fn", None), "__name__", "?"
             )
             timer.depth += 1
+            timer.current = name
             start = time.perf_counter()
             try:
                 with record_function(LAUNCH_MARK + name):
@@ -481,20 +499,97 @@ class _LaunchTimer:
             finally:
                 timer.seconds[name] += time.perf_counter() - start
                 timer.launches[name] += 1
+                if type(fn_self).__name__ == "InterpretedFunction":
+                    timer.interpreted.add(name)
+                    timer.overhead[name] += _empty_launch_s(original, fn_self, args, kwargs)
                 timer.depth -= 1
 
         return run
 
     @contextmanager
     def installed(self) -> Iterator[_LaunchTimer]:
-        saved = [(cls, cls.__dict__["run"]) for cls in self._classes() if "run" in cls.__dict__]
+        saved = [(cls, "run", cls.__dict__["run"]) for cls in self._classes() if "run" in cls.__dict__]
+        stores = self._store_counters()
         try:
-            for cls, original in saved:
-                cls.run = self._wrap(original)
+            for cls, attr, original in saved:
+                setattr(cls, attr, self._wrap(original))
+            for cls, attr, counted in stores:
+                setattr(cls, attr, counted)
             yield self
         finally:
-            for cls, original in saved:
-                cls.run = original
+            for cls, attr, original in saved:
+                setattr(cls, attr, original)
+            for cls, attr, _counted in stores:
+                setattr(cls, attr, getattr(cls, attr).__wrapped__)
+
+    def _store_counters(self) -> list[tuple[type, str, Callable[..., Any]]]:
+        """The interpreter's store entry points, each wrapped to count the elements it writes for
+        the launch in progress (none where the interpreter is absent or its API differs)."""
+        import functools
+
+        try:
+            from triton.runtime.interpreter import InterpreterBuilder
+        except ImportError:
+            return []
+        timer = self
+
+        def stored(value: Any, mask: Any = None) -> int:
+            data = getattr(mask, "data", None) if mask is not None else getattr(value, "data", None)
+            if data is None:
+                return 0
+            return int(data.sum()) if mask is not None else int(getattr(data, "size", 1))
+
+        counters = {  # entry point: which of its arguments are (value, mask)
+            "create_store": lambda a: stored(a[1]),
+            "create_masked_store": lambda a: stored(a[1], a[2]),
+            "create_descriptor_store": lambda a: stored(a[1]),
+        }
+        wrapped = []
+        for attr, count in counters.items():
+            original = InterpreterBuilder.__dict__.get(attr)
+            if original is None:
+                continue
+
+            @functools.wraps(original)
+            def counted(builder: Any, *args: Any, _original=original, _count=count, **kwargs: Any) -> Any:
+                if timer.depth:
+                    with contextlib.suppress(Exception):
+                        timer.stored[timer.current] += _count(args)
+                return _original(builder, *args, **kwargs)
+
+            wrapped.append((InterpreterBuilder, attr, counted))
+        return wrapped
+
+
+def _empty_launch_s(run: Callable[..., Any], fn_self: Any, args: tuple, kwargs: dict[str, Any]) -> float:
+    """Seconds the interpreter takes to launch a kernel with an empty body and the same parameters,
+    globals, arguments and grid: what a launch costs there before its body does any work (binding
+    and copying arguments, patching ``triton.language``, walking the grid). It runs inside
+    :data:`OVERHEAD_MARK`, so no kind is credited with its time. 0 when it cannot run."""
+    import inspect
+
+    from torch.profiler import record_function
+
+    try:
+        empty = _EMPTY_KERNELS.get(id(fn_self.fn))
+        with record_function(OVERHEAD_MARK):
+            if empty is None or empty[0] is not fn_self.fn:
+                names = list(inspect.signature(fn_self.fn).parameters)
+                scratch: dict[str, Any] = {}
+                exec(f"def {_EMPTY_NAME}({', '.join(names)}):\n    pass\n", scratch)
+                body = types.FunctionType(scratch[_EMPTY_NAME].__code__, fn_self.fn.__globals__)
+                empty = (fn_self.fn, type(fn_self)(body))
+                _EMPTY_KERNELS[id(fn_self.fn)] = empty
+                run(empty[1], *args, **kwargs)  # the first launch also rewrites the function
+            start = time.perf_counter()
+            run(empty[1], *args, **kwargs)
+            return time.perf_counter() - start
+    except Exception:  # a launch the empty kernel cannot mirror: the probe's fixed cost applies
+        return 0.0
+
+
+#: The empty twin of each kernel launched in the interpreter, by the kernel's function.
+_EMPTY_KERNELS: dict[int, tuple[Any, Any]] = {}
 
 
 def _host_rows(
@@ -510,7 +605,7 @@ def _host_rows(
     overhead_us = interpreter_launch_overhead_us()
     timer = _LaunchTimer()
     with timer.installed(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        _calls(fn, inputs_list, reps, lambda: None)
+        output_elements = _calls(fn, inputs_list, reps, lambda: None)
     events = [e for e in prof.events() if e.time_range.end > e.time_range.start or e.name == CALL_MARK]
     call_events = [e for e in events if e.name == CALL_MARK]
     threads = {e.thread for e in call_events}
@@ -536,6 +631,7 @@ def _host_rows(
 
     # Layers, highest priority first: each instant of a call is painted by the first layer over it.
     layers: list[list[tuple[float, float, str]]] = [
+        [_span(e, OVERHEAD_MARK, "interpreter overhead") for e in events if e.name == OVERHEAD_MARK],
         [_span(e, "aten", e.name) for e in top_aten if in_launch(e) and not trivial(e)],
         [_span(e, "", e.name[len(LAUNCH_MARK) :]) for e in launches],
         [_span(e, "aten", e.name) for e in top_aten if not in_launch(e)],
@@ -543,13 +639,21 @@ def _host_rows(
         [_span(e, "host", "host (Python, NumPy, outside aten ops and launches)") for e in call_events],
     ]
     painted = _paint(layers)
+    painted.pop(f"{OVERHEAD_MARK}\0interpreter overhead", None)  # the empty launches: nobody's time
     counts: Counter[str] = Counter()
     for layer in layers:
         for _s, _t, label in layer:
             counts[label] += 1
-    for label in painted:  # the interpreter's fixed cost of a launch is no kernel's work
+    for label in painted:  # the interpreter's cost of a launch is no kernel's work
         if label.startswith("\0"):
-            painted[label] = max(0.0, painted[label] - counts[label] * overhead_us)
+            name = label[1:]
+            cost = timer.overhead[name] * 1e6 if timer.overhead[name] else counts[label] * overhead_us
+            painted[label] = max(0.0, painted[label] - cost)
+            if name in timer.interpreted and output_elements:
+                # The interpreter's time per operation hardly depends on the data: a kernel that
+                # writes a few elements beside library ops doing the real work would read as most
+                # of the call. Its time counts in proportion to what it wrote, up to the outputs.
+                painted[label] *= min(1.0, timer.stored[name] / output_elements)
     rows = [
         KernelRow(label.split("\0", 1)[1], t, counts[label], label.split("\0", 1)[0])
         for label, t in painted.items()
@@ -558,7 +662,13 @@ def _host_rows(
         name: {"launches": n, "time_us": timer.seconds[name] * 1e6}
         for name, n in sorted(timer.launches.items())
     }
-    extra = {"triton_launches": launched, "interpreter_launch_overhead_us": overhead_us}
+    extra = {
+        "triton_launches": launched,
+        "interpreter_launch_overhead_us": overhead_us,
+        "interpreter_empty_launch_us": {n: round(t * 1e6, 1) for n, t in sorted(timer.overhead.items())},
+        "interpreter_stored_elements": dict(sorted(timer.stored.items())),
+        "output_elements": output_elements,
+    }
     return rows, len(call_events), extra
 
 
