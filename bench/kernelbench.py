@@ -287,7 +287,8 @@ def time_line(row: dict[str, Any]) -> str:
         )
     fallback = ph.get("fallback") or {}
     if fallback.get("seconds"):
-        parts.append(f"fallback {fallback['seconds']:.0f} s")
+        inner = _top(fallback.get("phase_s") or {})
+        parts.append(f"fallback {fallback['seconds']:.0f} s" + (f" ({inner})" if inner else ""))
     elif fallback.get("skipped"):
         parts.append(f"fallback skipped: {fallback['skipped'][:120]}")
     if ph.get("final_timing") is not None:

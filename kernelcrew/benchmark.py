@@ -103,7 +103,11 @@ def time_account(report: Report, budget: dict[str, Any]) -> dict[str, Any]:
             }
             for s in budget.get("steps") or []
         ],
-        "fallback": {"seconds": fallback.get("seconds"), "skipped": fallback.get("skipped")},
+        "fallback": {
+            "seconds": fallback.get("seconds"),
+            "skipped": fallback.get("skipped"),
+            "phase_s": fallback.get("phase_s") or {},
+        },
         "final_timing": budget.get("final_timing_s"),
     }
 

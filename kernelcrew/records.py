@@ -111,6 +111,11 @@ class Verdict(Record):
     input_sets: list[Json] = Field(default_factory=list, description="The input sets judged.")
     isolation: Json = Field(default_factory=dict, description="How the children were isolated.")
     golden_mode: str = Field("", description="The dtype the golden outputs were computed in.")
+    phase_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Where the verification's time went, seconds: the candidate child's phases, "
+        "its start and end (child_other), and the judging of its outputs (judge).",
+    )
 
     @property
     def passed(self) -> bool:

@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -594,6 +595,7 @@ def verify(
     verdict.flags.extend(_flags(meta, golden.notes))
     env = {**DETERMINISTIC_ENV, **child_env(device, candidate_source)}
     cand_dir = sandbox.make_workdir("kc-cand-")
+    preparing = time.monotonic()
     try:
         share_inputs(golden, cand_dir, s)
         cand_payload = {
@@ -609,6 +611,7 @@ def verify(
             "profile_kind": profile_kind,
         }
         seed_from_reference(task_source, candidate_source)
+        prepared = round(time.monotonic() - preparing, 2)
         res = sandbox.run(
             "kernelcrew.tools.harness:candidate_child",
             cand_payload,
@@ -624,10 +627,18 @@ def verify(
             verdict.checks.append({"name": failure.stage, "passed": False, "detail": failure.message})
             return verdict
         value = res.value or {}
+        inside = {k: float(v) for k, v in (value.get("phase_s") or {}).items()}
+        verdict.phase_s = {
+            "prepare": prepared,
+            **inside,
+            "child_other": round(max(0.0, res.wall_s - sum(inside.values())), 2),
+        }
         verdict.checks.extend(value["checks"])
         verdict.kind, verdict.kind_evidence = value["kind"], value["kind_evidence"]
         verdict.flags.extend(value.get("notes", []))
+        judging = time.monotonic()
         _judge(verdict, meta, cand_dir / "child" / "outputs.pt", golden.path, value["nondeterministic"])
+        verdict.phase_s["judge"] = round(time.monotonic() - judging, 2)
         if verdict.passed and s.compute_sanitizer and device.startswith("cuda"):
             _memcheck(verdict, cand_payload, cand_dir, env, s)
     finally:

@@ -739,8 +739,10 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     state = torch.load(workdir / "state_dict.pt", weights_only=True, mmap=True)
     input_lists = torch.load(workdir / "inputs.pt", weights_only=True, mmap=True)
     sets = payload["sets"]
+    lap = Laps()
 
     model, _reference, build = load_candidate_model(task, source, path, seed, state, device)
+    lap("build")
     checks: list[dict[str, Any]] = [{"name": "build", "passed": True, "detail": build}]
     outputs: dict[str, list[Any]] = {}
 
@@ -784,6 +786,7 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             label = f"input set {rec['index']} ({rec['origin']})"
             keep(f"set:{rec['index']}", call(inputs, label), hold=i < HELD_OUTPUTS)
         checks.append({"name": "all input sets", "passed": True, "detail": f"{len(sets)} sets ran"})
+        lap("input_sets")
 
         # The same inputs twice: same output, and the first output must survive the second call.
         first = call(dev_sets[0], "input set 0 (repeat 1)")
@@ -855,6 +858,7 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
                     "an output buffer reused across calls",
                 )
 
+    lap("checks")
     # Whose kernels did the work: a profile of calls on the seed sets, outside the poisoned memory.
     kind, kind_evidence = None, {"note": "decided by the timing that follows"}
     if payload.get("profile_kind", True):
@@ -863,8 +867,11 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         kind, kind_evidence = kinds.profile_kind(
             lambda inputs: model(*inputs), profiled, device=device, own=kinds.own_names(source), reps=reps
         )
+        lap("kind")
     torch.save(outputs, workdir / "child" / "outputs.pt")
+    lap("save")
     return {
+        "phase_s": lap.seconds,
         "checks": checks,
         "build": build,
         "kind": kind,

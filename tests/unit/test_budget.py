@@ -215,6 +215,9 @@ def test_a_heavy_run_stays_within_its_budget_and_says_what_the_budget_covered(tm
     assert len(b["steps"]) >= 1 and all(step["seconds"] > 0 for step in b["steps"])
     assert b["steps"][0]["strategy"] == "fused_pointwise"
     assert 0 < b["steps"][0]["phase_s"]["timing"] < b["steps"][0]["seconds"], "the timing run, then the rest"
+    # and the verification's own phases: the candidate child's, and the judging of its outputs
+    verify_phases = {k for k in b["steps"][0]["phase_s"] if k.startswith("verify:")}
+    assert {"verify:build", "verify:input_sets", "verify:save", "verify:judge"} <= verify_phases
     assert b["final_timing_s"] > 0 and b["steps_s"] > 0
     assert b["total_s"] >= b["baseline_s"] + b["steps_s"]
     assert data["answer"]["answer"] == "candidate" and data["best"]["kind"] == "kernel"
@@ -290,6 +293,7 @@ def test_the_compiler_candidate_the_baseline_measured_faster_is_verified_and_ret
         and "faster than eager in the baseline" in data["answer"]["why"]
     )
     assert data["budget"]["fallback_s"] > 0 and wall <= budget * 1.2
+    assert {"verify:build", "verify:judge"} <= set(data["budget"]["fallback"]["phase_s"])
     best = (tmp_path / "out" / "best.py").read_text()
     assert "torch.compile(self._reference_forward, mode='default'" in best
     assert "Answer: **compiler**" in md
