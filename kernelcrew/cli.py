@@ -220,7 +220,11 @@ def run_verify(
                 bench = timing_mod.benchmark(task_source, candidates, **timing_args)
             _merge_timing(report, bench)
             lap("timing")
-    report["phase_s"] = lap.seconds
+    # this command's phases, then the verification's own (the candidate child's, the judging)
+    report["phase_s"] = {
+        **lap.seconds,
+        **{f"verify:{k}": v for k, v in (report.get("phase_s") or {}).items()},
+    }
     info = hardware.detect(dev)
     report["gpu"] = info.to_dict() if info.device == "cuda" else None
     report["hardware"] = info.to_dict()
