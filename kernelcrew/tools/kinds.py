@@ -84,9 +84,6 @@ COMPILED_REGION = ("Torch-Compiled Region", "## Call CompiledFxGraph")
 #: The profiler annotation around each profiled call, and the prefix of each timed Triton launch.
 CALL_MARK = "kernelcrew::call"
 LAUNCH_MARK = "kernelcrew::launch::"
-#: Profiler mark of the empty launch that measures the interpreter's cost of each launch.
-OVERHEAD_MARK = "kernelcrew::interpreter_overhead"
-_EMPTY_NAME = "kernelcrew_empty_kernel"
 
 _TOP_KERNELS = 10
 _MAX_NAME = 200
@@ -385,8 +382,7 @@ def _calls(fn: Callable[[Any], Any], inputs_list: Sequence[Any], reps: int, sync
     """Run the calls, each inside :data:`CALL_MARK`; the elements of their outputs, all calls."""
     import torch
     from torch.profiler import record_function
-
-    from kernelcrew.tools.harness import flatten_outputs
+    from torch.utils._pytree import tree_leaves
 
     elements = 0
     with torch.no_grad():
@@ -395,7 +391,7 @@ def _calls(fn: Callable[[Any], Any], inputs_list: Sequence[Any], reps: int, sync
                 out = fn(inputs_list[i % len(inputs_list)])
                 sync()
             with contextlib.suppress(Exception):
-                elements += sum(t.numel() for t in flatten_outputs(out))
+                elements += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     return elements
 
 
@@ -460,8 +456,6 @@ class _LaunchTimer:
         self.depth = 0
         self.launches: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
-        #: Seconds of the same launches of an empty kernel (same arguments and grid), interpreter only.
-        self.overhead: Counter[str] = Counter()
         #: Elements each kernel stored (masked-off lanes not counted), interpreter only.
         self.stored: Counter[str] = Counter()
         self.interpreted: set[str] = set()
@@ -501,7 +495,6 @@ class _LaunchTimer:
                 timer.launches[name] += 1
                 if type(fn_self).__name__ == "InterpretedFunction":
                     timer.interpreted.add(name)
-                    timer.overhead[name] += _empty_launch_s(original, fn_self, args, kwargs)
                 timer.depth -= 1
 
         return run
@@ -561,37 +554,6 @@ class _LaunchTimer:
         return wrapped
 
 
-def _empty_launch_s(run: Callable[..., Any], fn_self: Any, args: tuple, kwargs: dict[str, Any]) -> float:
-    """Seconds the interpreter takes to launch a kernel with an empty body and the same parameters,
-    globals, arguments and grid: what a launch costs there before its body does any work (binding
-    and copying arguments, patching ``triton.language``, walking the grid). It runs inside
-    :data:`OVERHEAD_MARK`, so no kind is credited with its time. 0 when it cannot run."""
-    import inspect
-
-    from torch.profiler import record_function
-
-    try:
-        empty = _EMPTY_KERNELS.get(id(fn_self.fn))
-        with record_function(OVERHEAD_MARK):
-            if empty is None or empty[0] is not fn_self.fn:
-                names = list(inspect.signature(fn_self.fn).parameters)
-                scratch: dict[str, Any] = {}
-                exec(f"def {_EMPTY_NAME}({', '.join(names)}):\n    pass\n", scratch)
-                body = types.FunctionType(scratch[_EMPTY_NAME].__code__, fn_self.fn.__globals__)
-                empty = (fn_self.fn, type(fn_self)(body))
-                _EMPTY_KERNELS[id(fn_self.fn)] = empty
-                run(empty[1], *args, **kwargs)  # the first launch also rewrites the function
-            start = time.perf_counter()
-            run(empty[1], *args, **kwargs)
-            return time.perf_counter() - start
-    except Exception:  # a launch the empty kernel cannot mirror: the probe's fixed cost applies
-        return 0.0
-
-
-#: The empty twin of each kernel launched in the interpreter, by the kernel's function.
-_EMPTY_KERNELS: dict[int, tuple[Any, Any]] = {}
-
-
 def _host_rows(
     fn: Callable[[Any], Any], inputs_list: Sequence[Any], device: str, reps: int
 ) -> tuple[list[KernelRow], int, dict[str, Any]]:
@@ -631,7 +593,6 @@ def _host_rows(
 
     # Layers, highest priority first: each instant of a call is painted by the first layer over it.
     layers: list[list[tuple[float, float, str]]] = [
-        [_span(e, OVERHEAD_MARK, "interpreter overhead") for e in events if e.name == OVERHEAD_MARK],
         [_span(e, "aten", e.name) for e in top_aten if in_launch(e) and not trivial(e)],
         [_span(e, "", e.name[len(LAUNCH_MARK) :]) for e in launches],
         [_span(e, "aten", e.name) for e in top_aten if not in_launch(e)],
@@ -639,7 +600,6 @@ def _host_rows(
         [_span(e, "host", "host (Python, NumPy, outside aten ops and launches)") for e in call_events],
     ]
     painted = _paint(layers)
-    painted.pop(f"{OVERHEAD_MARK}\0interpreter overhead", None)  # the empty launches: nobody's time
     counts: Counter[str] = Counter()
     for layer in layers:
         for _s, _t, label in layer:
@@ -647,8 +607,7 @@ def _host_rows(
     for label in painted:  # the interpreter's cost of a launch is no kernel's work
         if label.startswith("\0"):
             name = label[1:]
-            cost = timer.overhead[name] * 1e6 if timer.overhead[name] else counts[label] * overhead_us
-            painted[label] = max(0.0, painted[label] - cost)
+            painted[label] = max(0.0, painted[label] - counts[label] * overhead_us)
             if name in timer.interpreted and output_elements:
                 # The interpreter's time per operation hardly depends on the data: a kernel that
                 # writes a few elements beside library ops doing the real work would read as most
@@ -665,7 +624,6 @@ def _host_rows(
     extra = {
         "triton_launches": launched,
         "interpreter_launch_overhead_us": overhead_us,
-        "interpreter_empty_launch_us": {n: round(t * 1e6, 1) for n, t in sorted(timer.overhead.items())},
         "interpreter_stored_elements": dict(sorted(timer.stored.items())),
         "output_elements": output_elements,
     }
