@@ -257,7 +257,21 @@ JUDGE_CHUNK = 1 << 18
 
 
 def _compare_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
-    """``compare_output``'s floating-point judgement, in slices.
+    """``compare_output``'s floating-point judgement (:func:`_judge_float`), on one thread: its
+    slices are small, and on a machine whose cores are busy (a GPU host's other children, a test
+    run) every parallel op waited on descheduled threads, up to 20x slower than one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _judge_float(cand, golden, native, tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _judge_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
+    """The floating-point judgement of one output, in slices.
 
     Each element falls in one of four cases by its float64 golden ``g``, with ``limit = atol +
     rtol*|g|`` and ``atol`` scaled to the RMS of the goldens the dtype can represent:

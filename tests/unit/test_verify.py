@@ -397,3 +397,23 @@ def test_a_norm_without_eps_fails_only_on_the_small_scaled_set(goldens):
     )
     origins = {(f["input_set"]["origin"], f["input_set"].get("factor")) for f in verdict.failures}
     assert origins == {("scaled", min(SCALE_FACTORS))}, verdict.failures
+
+
+def test_outputs_are_judged_on_one_thread_and_the_thread_count_comes_back(monkeypatch):
+    """The judgement runs in small slices: on a machine whose cores were busy, each parallel op
+    waited on descheduled threads (a 25M-element output took 20x longer on two threads than one)."""
+    from kernelcrew.tools import correctness
+
+    seen = []
+    real = correctness._judge_float
+    monkeypatch.setattr(
+        correctness, "_judge_float", lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.randn(1000, dtype=torch.float64)
+        res = compare_output(g.float(), g, g.float(), tolerance_for("float32", "pointwise", "strict"))
+        assert res["ok"] and seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
