@@ -450,7 +450,7 @@ def pick_elements(tensors: Sequence[torch.Tensor], pick: int | None) -> list[dic
     tensor of more than ``JUDGED_ELEMENTS``, that many at positions drawn from ``pick`` (on the
     CPU's generator: the reference's process draws the same ones for the golden). The positions
     are chosen after the call returned, so a wrong element anywhere is as likely to be judged as
-    any other; every element of the verification calls is judged in full."""
+    any other; every element of the verification's input-set calls is judged in full."""
     kept = []
     for i, t in enumerate(tensors):
         flat = t.detach().reshape(-1)

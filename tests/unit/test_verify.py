@@ -417,3 +417,44 @@ def test_outputs_are_judged_on_one_thread_and_the_thread_count_comes_back(monkey
         assert res["ok"] and seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+_WIDE_TASK = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+def get_inputs():
+    return [torch.randn(300, 1000)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+_WRONG_WITH_GRAD = """
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return x * (3.0 if torch.is_grad_enabled() else 2.0)
+"""
+
+
+def test_a_large_recheck_output_is_judged_on_secret_positions_and_its_error_located():
+    """A re-check call's output (here grad mode) of more than RECHECK_ELEMENTS is judged on random
+    positions drawn after the candidate's process ended; a wrong answer is still found, and the
+    failure names a position of the whole output."""
+    verdict = verify(_WIDE_TASK, _WRONG_WITH_GRAD, device="cpu", settings=Settings(sandbox_timeout_s=120))
+    assert not verdict.passed
+    failure = verdict.failures[0]
+    assert "grad" in failure["message"] and "drawn at random" in failure["message"], failure
+    row, col = failure["first_bad_index"]
+    assert 0 <= row < 300 and 0 <= col < 1000
