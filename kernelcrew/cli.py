@@ -221,10 +221,7 @@ def run_verify(
             _merge_timing(report, bench)
             lap("timing")
     # this command's phases, then the verification's own (the candidate child's, the judging)
-    report["phase_s"] = {
-        **lap.seconds,
-        **{f"verify:{k}": v for k, v in (report.get("phase_s") or {}).items()},
-    }
+    report["phase_s"] = {**lap.seconds, **verdict.verify_phases()}
     info = hardware.detect(dev)
     report["gpu"] = info.to_dict() if info.device == "cuda" else None
     report["hardware"] = info.to_dict()

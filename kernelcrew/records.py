@@ -121,6 +121,10 @@ class Verdict(Record):
     def passed(self) -> bool:
         return self.verdict == "pass"
 
+    def verify_phases(self) -> dict[str, float]:
+        """``phase_s`` as a step's or a command's account lists it: ``verify:build``, ``verify:judge``..."""
+        return {f"verify:{k}": v for k, v in self.phase_s.items()}
+
 
 class TimingStats(Record):
     """One callable's timings in a benchmark (milliseconds per call)."""

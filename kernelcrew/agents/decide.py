@@ -220,7 +220,7 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         )
         cand.verdict, cand.stage, cand.message = verdict.verdict, verdict.stage, verdict.message
         cand.kind, cand.failures, cand.flags = verdict.kind, verdict.failures, verdict.flags
-        note["phase_s"] = {f"verify:{k}": v for k, v in verdict.phase_s.items()}
+        note["phase_s"] = verdict.verify_phases()
         ctx.emit("verify", candidate=cand.id, verdict=cand.verdict, stage=cand.stage, message=cand.message)
         timed = timed_by_baseline(state, cand, mode) if cand.verdict == "pass" else cand
     kept = timed.verdict == "pass" and (opts.device == "cpu" or (timed.speedup_eager or 0.0) > 1.0)

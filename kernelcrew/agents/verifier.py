@@ -38,7 +38,7 @@ def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             kind=verdict.kind,
             failures=verdict.failures,
             flags=verdict.flags,
-            phase_s={**draft.phase_s, **{f"verify:{k}": v for k, v in verdict.phase_s.items()}},
+            phase_s={**draft.phase_s, **verdict.verify_phases()},
         )
     ctx.emit(
         "verify", candidate=draft.id, verdict=checked.verdict, stage=checked.stage, message=checked.message

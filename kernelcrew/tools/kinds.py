@@ -501,57 +501,47 @@ class _LaunchTimer:
 
     @contextmanager
     def installed(self) -> Iterator[_LaunchTimer]:
-        saved = [(cls, "run", cls.__dict__["run"]) for cls in self._classes() if "run" in cls.__dict__]
-        stores = self._store_counters()
+        patches = [
+            (cls, "run", cls.__dict__["run"], self._wrap(cls.__dict__["run"]))
+            for cls in self._classes()
+            if "run" in cls.__dict__
+        ]
+        patches += self._store_counters()
         try:
-            for cls, attr, original in saved:
-                setattr(cls, attr, self._wrap(original))
-            for cls, attr, counted in stores:
-                setattr(cls, attr, counted)
+            for cls, attr, _original, replacement in patches:
+                setattr(cls, attr, replacement)
             yield self
         finally:
-            for cls, attr, original in saved:
+            for cls, attr, original, _replacement in patches:
                 setattr(cls, attr, original)
-            for cls, attr, _counted in stores:
-                setattr(cls, attr, getattr(cls, attr).__wrapped__)
 
-    def _store_counters(self) -> list[tuple[type, str, Callable[..., Any]]]:
-        """The interpreter's store entry points, each wrapped to count the elements it writes for
-        the launch in progress (none where the interpreter is absent or its API differs)."""
-        import functools
-
+    def _store_counters(self) -> list[tuple[type, str, Callable[..., Any], Callable[..., Any]]]:
+        """The interpreter's store entry points (class, name, original, replacement), each counting
+        the elements it writes for the launch in progress (none where the interpreter is absent)."""
         try:
             from triton.runtime.interpreter import InterpreterBuilder
         except ImportError:
             return []
         timer = self
-
-        def stored(value: Any, mask: Any = None) -> int:
-            data = getattr(mask, "data", None) if mask is not None else getattr(value, "data", None)
-            if data is None:
-                return 0
-            return int(data.sum()) if mask is not None else int(getattr(data, "size", 1))
-
-        counters = {  # entry point: which of its arguments are (value, mask)
-            "create_store": lambda a: stored(a[1]),
-            "create_masked_store": lambda a: stored(a[1], a[2]),
-            "create_descriptor_store": lambda a: stored(a[1]),
+        counters = {  # entry point: the elements a call stores, from its arguments
+            "create_store": lambda a: int(a[1].data.size),
+            "create_masked_store": lambda a: int(a[2].data.sum()),  # the mask's true lanes
+            "create_descriptor_store": lambda a: int(a[1].data.size),
         }
-        wrapped = []
+        patches = []
         for attr, count in counters.items():
             original = InterpreterBuilder.__dict__.get(attr)
             if original is None:
                 continue
 
-            @functools.wraps(original)
             def counted(builder: Any, *args: Any, _original=original, _count=count, **kwargs: Any) -> Any:
                 if timer.depth:
                     with contextlib.suppress(Exception):
                         timer.stored[timer.current] += _count(args)
                 return _original(builder, *args, **kwargs)
 
-            wrapped.append((InterpreterBuilder, attr, counted))
-        return wrapped
+            patches.append((InterpreterBuilder, attr, original, counted))
+        return patches
 
 
 def _host_rows(
