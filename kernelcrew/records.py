@@ -114,7 +114,8 @@ class Verdict(Record):
     phase_s: dict[str, float] = Field(
         default_factory=dict,
         description="Where the verification's time went, seconds: the candidate child's phases, "
-        "its start and end (child_other), and the judging of its outputs (judge).",
+        "its start and end (child_other), copying its outputs out of its box (copy_out), and the "
+        "judging of its outputs (judge).",
     )
 
     @property

@@ -340,3 +340,24 @@ def test_a_childs_largest_file_is_its_folders_size_unless_set():
     assert default.max_file_bytes == default.disk_bytes == 40_000 * 1024**2
     capped = SandboxLimits.from_settings(Settings(sandbox_disk_mb=40_000, sandbox_max_file_bytes=1 << 30))
     assert capped.max_file_bytes == 1 << 30
+
+
+def test_copy_file_copies_in_the_kernel_and_stops_at_the_size_it_had(tmp_path):
+    source, target = tmp_path / "big.bin", tmp_path / "copy.bin"
+    data = os.urandom(3 * 1024**2 + 17)
+    source.write_bytes(data + b"grown later")
+    with open(source, "rb") as fin, open(target, "wb") as fout:
+        sandbox._copy_file(fin, fout, len(data))
+    assert target.read_bytes() == data
+
+
+def test_copy_file_falls_back_where_sendfile_fails(tmp_path, monkeypatch):
+    def refuse(*args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(sandbox.os, "sendfile", refuse)
+    source, target = tmp_path / "a.bin", tmp_path / "b.bin"
+    source.write_bytes(b"x" * 5000)
+    with open(source, "rb") as fin, open(target, "wb") as fout:
+        sandbox._copy_file(fin, fout, 5000)
+    assert target.read_bytes() == b"x" * 5000
