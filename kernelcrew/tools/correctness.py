@@ -28,12 +28,14 @@ exactly.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import secrets
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,12 +133,12 @@ class Failure:
         return {k: v for k, v in asdict(self).items() if v not in (None, {}, [])}
 
 
-def compare_output(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
+def compare_output(cand: Any, golden: Any, native: Any, tol: Tolerance, pool: Any = None) -> dict[str, Any]:
     """Judge one output tensor; returns metrics and ``ok`` (and ``stage``/``message`` when not ok).
 
     Every element is judged against the float64 golden; ``native`` (the reference in its own
     dtype) only sets how much relative L2 error PyTorch itself makes, never where an error is
-    allowed.
+    allowed. A large output is judged in ranges on ``pool`` (an executor) when one is given.
     """
     import torch
 
@@ -157,7 +159,7 @@ def compare_output(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[
             f"{str(native.dtype).replace('torch.', '')}",
         }
     if tol.exact or not (cand.is_floating_point() or cand.is_complex()):
-        equal = cand.to("cpu") == golden.to(cand.dtype)
+        equal = cand.to(golden.device) == golden.to(cand.dtype)
         bad = (~equal).nonzero()
         if len(bad):
             idx = bad[0].tolist()
@@ -172,7 +174,7 @@ def compare_output(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[
 
     if cand.is_complex():
         cand, golden, native = (torch.view_as_real(t) for t in (cand, golden, native))
-    return _compare_float(cand, golden, native, tol)
+    return _compare_float(cand, golden, native, tol, pool)
 
 
 @dataclass
@@ -255,9 +257,11 @@ class _Metrics:
 
 #: Elements per slice of the streaming comparison: a few float64 temporaries stay in the CPU's caches.
 JUDGE_CHUNK = 1 << 18
+#: Elements per slice on a GPU, where each slice costs a few synchronizations instead.
+JUDGE_CHUNK_GPU = 1 << 24
 
 
-def _compare_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
+def _compare_float(cand: Any, golden: Any, native: Any, tol: Tolerance, pool: Any = None) -> dict[str, Any]:
     """``compare_output``'s floating-point judgement (:func:`_judge_float`), on one thread: its
     slices are small, and on a machine whose cores are busy (a GPU host's other children, a test
     run) every parallel op waited on descheduled threads, up to 20x slower than one thread."""
@@ -266,13 +270,18 @@ def _compare_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _judge_float(cand, golden, native, tol)
+        return _judge_float(cand, golden, native, tol, pool)
     finally:
         torch.set_num_threads(threads)
 
 
-def _judge_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[str, Any]:
-    """The floating-point judgement of one output, in slices.
+#: An output of more elements than this is judged in ranges side by side (when given a pool).
+JUDGE_RANGE = 1 << 24
+
+
+def _judge_float(cand: Any, golden: Any, native: Any, tol: Tolerance, pool: Any = None) -> dict[str, Any]:
+    """The floating-point judgement of one output, in slices; the slices of a large output in
+    ranges on ``pool``'s threads (an executor), when one is given.
 
     Each element falls in one of four cases by its float64 golden ``g``, with ``limit = atol +
     rtol*|g|`` and ``atol`` scaled to the RMS of the goldens the dtype can represent:
@@ -296,7 +305,9 @@ def _judge_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[st
 
     dtype = str(cand.dtype).replace("torch.", "")
     top = float(torch.finfo(cand.dtype).max)
-    c, g, n = (t.detach().to("cpu").reshape(-1) for t in (cand, golden, native))
+    where = golden.device  # the CPU, or a GPU where the golden child judges its own variants
+    c, g, n = (t.detach().to(where).reshape(-1) for t in (cand, golden, native))
+    chunk = JUDGE_CHUNK if where.type == "cpu" else JUDGE_CHUNK_GPU
     numel = g.numel()
     if numel == 0:
         return _Metrics(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, None, dtype=dtype).verdict(tol)
@@ -309,8 +320,8 @@ def _judge_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[st
         sq_gold, representable = norm_g * norm_g, numel
     else:
         sq_gold, representable = 0.0, 0
-        for start in range(0, numel, JUDGE_CHUNK):
-            gs = g[start : start + JUDGE_CHUNK].to(torch.float64)
+        for start in range(0, numel, chunk):
+            gs = g[start : start + chunk].to(torch.float64)
             inside = gs.abs() <= top  # False for NaN and Inf
             kept = torch.where(inside, gs, 0.0)
             sq_gold += float(torch.dot(kept, kept))
@@ -318,65 +329,93 @@ def _judge_float(cand: Any, golden: Any, native: Any, tol: Tolerance) -> dict[st
     rms = math.sqrt(sq_gold / representable) if representable else 0.0
     atol = tol.atol_rms * max(rms, 1e-30)
 
+    def judge_range(bounds: tuple[int, int]) -> tuple[_Metrics, float, float, int | None]:
+        """The metrics of elements ``[lo, hi)``, their squared L2 errors, and the first bad one."""
+        m = _Metrics(0.0, 0.0, 0.0, 0.0, atol, 0, 0, None, dtype=dtype)
+        sq_err = sq_ref = 0.0
+        first = None
+        for start in range(bounds[0], bounds[1], chunk):
+            part = slice(start, min(start + chunk, bounds[1]))
+            gs = g[part].to(torch.float64)
+            cs = c[part].to(torch.float64)
+            ns = n[part].to(torch.float64)
+            diff = cs - gs
+            ref = ns - gs
+            chunk_err = float(torch.dot(diff, diff))
+            if plain and math.isfinite(chunk_err):  # every golden representable, every value finite
+                judged = beyond = None
+                err = diff.abs_()
+                scale = gs.abs()
+            else:
+                g_fin, c_fin = torch.isfinite(gs), torch.isfinite(cs)
+                beyond = g_fin & (gs.abs() > top)
+                inside = g_fin & ~beyond
+                right_nonfinite = (
+                    (torch.isnan(gs) & torch.isnan(cs))
+                    | (torch.isinf(gs) & (cs == gs))
+                    | (beyond & torch.isinf(cs) & ((cs > 0) == (gs > 0)))
+                )
+                wrong = ~right_nonfinite & (~g_fin | ~c_fin)
+                count = int(wrong.sum())
+                if count:
+                    if m.first_nonfinite is None:
+                        at = int(wrong.nonzero()[0])
+                        m.first_nonfinite = _unravel(start + at, tuple(golden.shape))
+                        m.nonfinite_values = (float(cs[at]), float(gs[at]))
+                    m.nonfinite += count
+                m.beyond_range += int(beyond.sum())
+                judged = g_fin & c_fin  # finite candidates: within tolerance, beyond the range too
+                diff = torch.where(inside & c_fin, diff, 0.0)  # the L2 error: representable goldens
+                chunk_err = float(torch.dot(diff, diff))
+                err = torch.where(judged, (cs - gs).abs(), 0.0)
+                scale = torch.where(g_fin, gs.abs(), 0.0)
+            ref_sq = float(torch.dot(ref, ref))
+            if not math.isfinite(ref_sq):  # PyTorch's own Inf/NaN: its error is measured where finite
+                mask = torch.isfinite(ns) & (gs.abs() <= top)
+                ref = torch.where(mask, ref, 0.0)
+                ref_sq = float(torch.dot(ref, ref))
+            sq_err += chunk_err
+            sq_ref += ref_sq
+            if err.numel():
+                m.max_abs = max(m.max_abs, float(err.max()))
+                m.max_rel = max(m.max_rel, float((err / scale.clamp_min(max(rms, 1e-30))).max()))
+            limit = scale.mul_(tol.rtol).add_(atol)
+            if err.numel():
+                m.used = max(m.used, float((err / limit).max()))
+            bad = err > limit  # err is 0 where not judged
+            count = int(bad.sum())
+            if count and first is None:
+                at = int(bad.nonzero()[0])
+                first = start + at
+                if beyond is not None and bool(beyond[at]):
+                    m.first_bad_beyond = float(gs[at])
+            m.over += count
+        return m, sq_err, sq_ref, first
+
+    if pool is not None and where.type == "cpu" and numel > JUDGE_RANGE:
+        size = -(-numel // -(-numel // JUDGE_RANGE))  # even ranges of about JUDGE_RANGE elements
+        step = -(-size // chunk) * chunk  # of whole slices
+        parts = list(pool.map(judge_range, [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]))
+    else:
+        parts = [judge_range((0, numel))]
     m = _Metrics(0.0, 0.0, 0.0, 0.0, atol, 0, numel, None, dtype=dtype)
     sq_err = sq_ref = 0.0
     first = None
-    for start in range(0, numel, JUDGE_CHUNK):
-        part = slice(start, start + JUDGE_CHUNK)
-        gs = g[part].to(torch.float64)
-        cs = c[part].to(torch.float64)
-        ns = n[part].to(torch.float64)
-        diff = cs - gs
-        ref = ns - gs
-        chunk_err = float(torch.dot(diff, diff))
-        if plain and math.isfinite(chunk_err):  # every golden representable, every value finite
-            judged = beyond = None
-            err = diff.abs_()
-            scale = gs.abs()
-        else:
-            g_fin, c_fin = torch.isfinite(gs), torch.isfinite(cs)
-            beyond = g_fin & (gs.abs() > top)
-            inside = g_fin & ~beyond
-            right_nonfinite = (
-                (torch.isnan(gs) & torch.isnan(cs))
-                | (torch.isinf(gs) & (cs == gs))
-                | (beyond & torch.isinf(cs) & ((cs > 0) == (gs > 0)))
-            )
-            wrong = ~right_nonfinite & (~g_fin | ~c_fin)
-            count = int(wrong.sum())
-            if count:
-                if m.first_nonfinite is None:
-                    at = int(wrong.nonzero()[0])
-                    m.first_nonfinite = _unravel(start + at, tuple(golden.shape))
-                    m.nonfinite_values = (float(cs[at]), float(gs[at]))
-                m.nonfinite += count
-            m.beyond_range += int(beyond.sum())
-            judged = g_fin & c_fin  # finite candidates: within tolerance, beyond the range too
-            diff = torch.where(inside & c_fin, diff, 0.0)  # the L2 error: representable goldens
-            chunk_err = float(torch.dot(diff, diff))
-            err = torch.where(judged, (cs - gs).abs(), 0.0)
-            scale = torch.where(g_fin, gs.abs(), 0.0)
-        ref_sq = float(torch.dot(ref, ref))
-        if not math.isfinite(ref_sq):  # PyTorch's own Inf/NaN: its error is measured where finite
-            mask = torch.isfinite(ns) & (gs.abs() <= top)
-            ref = torch.where(mask, ref, 0.0)
-            ref_sq = float(torch.dot(ref, ref))
-        sq_err += chunk_err
-        sq_ref += ref_sq
-        if err.numel():
-            m.max_abs = max(m.max_abs, float(err.max()))
-            m.max_rel = max(m.max_rel, float((err / scale.clamp_min(max(rms, 1e-30))).max()))
-        limit = scale.mul_(tol.rtol).add_(atol)
-        if err.numel():
-            m.used = max(m.used, float((err / limit).max()))
-        bad = err > limit  # err is 0 where not judged
-        count = int(bad.sum())
-        if count and first is None:
-            at = int(bad.nonzero()[0])
-            first = start + at
-            if beyond is not None and bool(beyond[at]):
-                m.first_bad_beyond = float(gs[at])
-        m.over += count
+    for part_m, part_err, part_ref, part_first in parts:  # in order: the first bad element is the first
+        sq_err += part_err
+        sq_ref += part_ref
+        m.max_abs, m.max_rel, m.used = (
+            max(m.max_abs, part_m.max_abs),
+            max(m.max_rel, part_m.max_rel),
+            max(m.used, part_m.used),
+        )
+        m.over += part_m.over
+        m.nonfinite += part_m.nonfinite
+        m.beyond_range += part_m.beyond_range
+        if m.first_nonfinite is None and part_m.first_nonfinite is not None:
+            m.first_nonfinite, m.nonfinite_values = part_m.first_nonfinite, part_m.nonfinite_values
+        if first is None and part_first is not None:
+            first, m.first_bad_beyond = part_first, part_m.first_bad_beyond
     denom = math.sqrt(sq_gold) if sq_gold > 0 else 1.0
     m.rel_l2, m.ref_l2 = math.sqrt(sq_err) / denom, math.sqrt(sq_ref) / denom
     m.first_bad = None if first is None else _unravel(first, tuple(golden.shape))
@@ -512,6 +551,7 @@ def make_golden(
     meta = dict(res.value or {})
     meta["isolation"] = res.isolation
     meta.setdefault("phase_s", {})["child_wall"] = res.wall_s  # the rest of child_wall is its start
+    meta["phase_s"]["copy_out"] = res.copy_out_s
     return Golden(path, seed, device, precision, task_source, task_path, meta, notes)
 
 
@@ -647,6 +687,7 @@ def verify(
             "prepare": prepared,
             **inside,
             "child_other": round(max(0.0, res.wall_s - sum(inside.values())), 2),
+            "copy_out": res.copy_out_s,
         }
         verdict.checks.extend(value["checks"])
         verdict.kind, verdict.kind_evidence = value["kind"], value["kind_evidence"]
@@ -772,6 +813,37 @@ def _recheck_sample(key: str, c: Any, g: Any, n: Any) -> tuple[Any, Any, Any, An
     return (*(t.reshape(-1)[positions] for t in (c, g, n)), positions)
 
 
+#: Threads that judge a verification's calls at once, at most (each on one torch thread).
+JUDGE_THREADS = 8
+
+
+@contextlib.contextmanager
+def _judging_pools(calls: int) -> Iterator[tuple[Any, Any]]:
+    """Two thread pools, torch held to one thread per op: one judges ``calls`` calls side by side,
+    the other the ranges of their large outputs (a call's thread waits on its ranges, so one pool
+    for both could have every thread waiting).
+
+    A large task's output took one thread seconds. Independent threads scale with free cores and
+    degrade gracefully on busy ones, where torch's own parallel ops waited on descheduled threads;
+    so each pool has as many threads as torch would use (its ``OMP_NUM_THREADS``), at most
+    :data:`JUDGE_THREADS`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    threads = torch.get_num_threads()
+    workers = max(1, min(JUDGE_THREADS, threads))
+    torch.set_num_threads(1)
+    try:
+        with (
+            ThreadPoolExecutor(max_workers=max(1, min(workers, calls))) as per_call,
+            ThreadPoolExecutor(max_workers=workers) as per_range,
+        ):
+            yield per_call, per_range
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _expected_set(key: str) -> int:
     return int(key.rsplit(":", 1)[1])
 
@@ -786,33 +858,46 @@ def _judge(
     native = torch.load(golden_dir / "native.pt", weights_only=True, mmap=True)
     cls = op_class(meta["reference_ops"])
     sets = {r["index"]: r for r in meta["sets"]}
-    worst = 0.0
-    failures: list[Failure] = []
-    judged = 0
-    seen: dict[tuple[str, ...], int] = {}  # fingerprint of a call's outputs -> the input set it was for
-    for key, outs in outputs.items():
-        idx = _expected_set(key)
-        fingerprint = _fingerprint(outs)
-        stale_from = seen.get(fingerprint)
-        seen.setdefault(fingerprint, idx)
-        g_list, n_list = golden[idx], native[idx]
+
+    def judge_call(key: str, outs: list[Any]) -> tuple[tuple[str, ...], list[dict[str, Any]] | None]:
+        """A call's fingerprint and each output's comparison (None: not as many outputs)."""
+        g_list, n_list = golden[_expected_set(key)], native[_expected_set(key)]
         if len(outs) != len(g_list):
-            failures.append(
-                Failure(
-                    "shape",
-                    f"{key}: {len(outs)} outputs but the reference gives {len(g_list)}",
-                    input_set=sets[idx],
-                )
-            )
-            continue
+            return _fingerprint(outs), None
+        results = []
         for o, (c, g, n) in enumerate(zip(outs, g_list, n_list, strict=True)):
             dtype = str(n.dtype).replace("torch.", "")
             c, g, n, positions = _recheck_sample(key, c, g, n)
-            res = compare_output(c, g, n, tolerance_for(dtype, cls, verdict.precision))
+            res = compare_output(c, g, n, tolerance_for(dtype, cls, verdict.precision), ranges)
             if positions is not None and res.get("first_bad_index") is not None:
                 at = int(positions[res["first_bad_index"][0]])
                 res["first_bad_index"] = _unravel(at, tuple(g_list[o].shape))
                 res["message"] = f"{res['message']} (of {len(positions)} elements drawn at random)"
+            results.append(res)
+        return _fingerprint(outs), results
+
+    with _judging_pools(len(outputs)) as (pool, ranges):
+        found = list(pool.map(judge_call, outputs.keys(), outputs.values()))
+
+    worst = 0.0
+    failures: list[Failure] = []
+    judged = 0
+    seen: dict[tuple[str, ...], int] = {}  # fingerprint of a call's outputs -> the input set it was for
+    for (key, outs), (fingerprint, results) in zip(outputs.items(), found, strict=True):
+        idx = _expected_set(key)
+        stale_from = seen.get(fingerprint)
+        seen.setdefault(fingerprint, idx)
+        if results is None:
+            failures.append(
+                Failure(
+                    "shape",
+                    f"{key}: {len(outs)} outputs but the reference gives {len(golden[idx])}",
+                    input_set=sets[idx],
+                )
+            )
+            continue
+        for o, res in enumerate(results):
+            dtype = str(native[idx][o].dtype).replace("torch.", "")
             judged += 1
             if math.isfinite(res.get("rel_l2", 0.0)):
                 worst = max(worst, res.get("max_rel_error", 0.0))

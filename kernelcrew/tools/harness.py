@@ -157,6 +157,71 @@ def clone_tensors(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().clone())
 
 
+#: A GPU tensor of more bytes than this comes to the host through a pinned staging buffer of this
+#: size: a copy into pageable memory ran at about 1.4 GB/s on an H100 host, a large task's outputs
+#: are GBs, and pinning each whole output cost as much as it saved (and memory: the pinned
+#: allocator rounds up to powers of two and keeps what it freed).
+STAGING_BYTES = 64 * 1024**2
+_staging: list[Any] = []
+
+
+def host_copy(t: Any) -> Any:
+    """A detached CPU copy of ``t`` that never shares its memory."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cuda":
+        return t.to("cpu").clone()
+    size = t.numel() * t.element_size()
+    if size <= STAGING_BYTES:
+        return t.to("cpu")
+    if not _staging:
+        try:
+            _staging.append(torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True))
+        except RuntimeError:  # no pinned memory to be had: the plain copy
+            return t.to("cpu")
+    stage = _staging[0]
+    source = t.contiguous().reshape(-1).view(torch.uint8)
+    out = torch.empty(t.shape, dtype=t.dtype)
+    target = out.reshape(-1).view(torch.uint8)
+    for start in range(0, size, STAGING_BYTES):
+        n = min(STAGING_BYTES, size - start)
+        stage[:n].copy_(source[start : start + n])  # waits for the device: the stage is reused next
+        target[start : start + n].copy_(stage[:n])
+    return out
+
+
+def judging_device(tensor_lists: list[Any], device: str) -> str:
+    """``device`` when it is a GPU with room for these tensors and the comparisons' temporaries
+    (three times their size), else the CPU."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return "cpu"
+    size = sum(input_bytes(x) for x in tensor_lists)
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return device if 3 * size < free else "cpu"
+
+
+def save_tensors(obj: Any, path: Path) -> None:
+    """``torch.save`` without the archive's CRC-32 checksums, which made writing about five times
+    slower (a large task's golden is tens of GB). The files live only as long as one evaluation on
+    this machine and are read back with ``mmap``, which never checks them anyway."""
+    import torch
+
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # an older torch: checksums it is
+        torch.save(obj, path)
+        return
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        torch.save(obj, path)
+    finally:
+        config.save.compute_crc32 = before
+
+
 def inputs_unchanged(snapshot: Any, inputs: Any) -> tuple[Any, ...] | None:
     """The index path of the first place where ``inputs`` differ from ``snapshot`` (a
     :func:`clone_tensors` copy taken before a call), or None when nothing changed.
@@ -449,7 +514,7 @@ def _run_golden(model64: Any, model_fp32: Any, inputs: list[Any], device: str) -
                 apply_precision(policy)
             mode = "float32 (an op has no float64 kernel)"
     synchronize(device)
-    return [t.detach().to("cpu") for t in flatten_outputs(out)], mode
+    return [host_copy(t) for t in flatten_outputs(out)], mode
 
 
 def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -502,7 +567,7 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
                     out = native_model(*dev_inputs)
                 synchronize(device)
                 alias = shares_storage(out, dev_inputs)
-                nat = [t.detach().to("cpu").clone() for t in flatten_outputs(out)]
+                nat = [host_copy(t) for t in flatten_outputs(out)]
             gold, mode = _run_golden(model64, native_model, inputs, device)
         except Exception as exc:
             raise StageError(
@@ -520,6 +585,7 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             alias=alias,
             constant_output=all(g.numel() <= 1 or bool((g == g.reshape(-1)[0]).all()) for g in gold),
             zero_inputs=zero_inputs(inputs),
+            bytes=input_bytes(inputs),
         )
         records.append(entry)
         golden.append(gold)
@@ -542,11 +608,15 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         def nonfinite(outs: list[Any]) -> int:
             return sum(int((~torch.isfinite(g)).sum()) for g in outs if g.is_floating_point())
 
-        if nonfinite(gold) > nonfinite(golden[of]):
+        # Judged on the GPU where it has room: a large task's outputs took the CPU seconds a pass.
+        where = judging_device([gold, nat, golden[of], native[of]], device)
+        gold, nat = to_device(gold, where), to_device(nat, where)
+        base_gold, base_nat = to_device(golden[of], where), to_device(native[of], where)
+        if nonfinite(gold) > nonfinite(base_gold):
             return "the float64 reference is not finite there"
         if judge_native:
             worst = used_by_pytorch(gold, nat)
-            base = used_by_pytorch(golden[of], native[of])
+            base = used_by_pytorch(base_gold, base_nat)
             if worst > max(VARIANT_TOLERANCE_USED, 2 * base):
                 used = "fails the pass rule" if math.isinf(worst) else f"uses {worst:.0%} of the tolerance"
                 return (
@@ -606,22 +676,29 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             notes.append(f"scaled variant x{factor:g} of input set {rec['index']} not tested: {reason}")
     lap("scaled")
 
-    out = workdir / "child"  # the only directory a child may write; the parent moves these out
-    torch.save(input_lists, out / "inputs.pt")
-    torch.save(state, out / "state_dict.pt")
-    torch.save(golden, out / "golden.pt")
-    torch.save(native, out / "native.pt")
-    lap("save")
     first = native[0]
-    return {
-        "phase_s": lap.seconds,
+    result = {
         "sets": records,
         "reference_ops": reference_ops,
         "golden_mode": golden_mode,
         "randomized_parameters": randomized,
         "outputs": [{"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)} for t in first],
+        "output_bytes": input_bytes(first),
+        "device_memory": torch.cuda.get_device_properties(device).total_memory
+        if device.startswith("cuda")
+        else None,
         "notes": notes,
     }
+    first = inputs = variant = None  # the last set's tensors, held by these names too
+    out = workdir / "child"  # the only directory a child may write; the parent moves these out
+    # The folder is memory too: each list is let go once it is written, so what is held at once
+    # is the data plus its largest file, not the data twice.
+    save_tensors(state, out / "state_dict.pt")
+    for name, kept in (("inputs.pt", input_lists), ("golden.pt", golden), ("native.pt", native)):
+        save_tensors(kept, out / name)
+        kept.clear()
+    lap("save")
+    return {"phase_s": lap.seconds, **result}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -776,7 +853,7 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     notes: list[str] = []
 
     def keep(key: str, out: Any, hold: bool = False) -> None:
-        outputs[key] = [t.detach().to("cpu").clone() for t in flatten_outputs(out)]
+        outputs[key] = [host_copy(t) for t in flatten_outputs(out)]
         if hold:
             handed_out.append((key, flatten_outputs(out), outputs[key]))
 
@@ -868,7 +945,7 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             lambda inputs: model(*inputs), profiled, device=device, own=kinds.own_names(source), reps=reps
         )
         lap("kind")
-    torch.save(outputs, workdir / "child" / "outputs.pt")
+    save_tensors(outputs, workdir / "child" / "outputs.pt")
     lap("save")
     return {
         "phase_s": lap.seconds,
@@ -1063,7 +1140,20 @@ def _judged_goldens(
             native = timing.pick_elements(flatten_outputs(model(*inputs)), pick)
         golden, mode = _run_golden(model64, model, inputs, device)
         judged[key] = {"golden": timing.pick_elements(golden, pick), "native": native, "mode": mode}
-    torch.save(judged, out_dir / "judged.pt")
+    save_tensors(judged, out_dir / "judged.pt")
+
+
+def fresh_sets_that_fit(inputs: Any, wanted: int, device: str) -> int:
+    """How many fresh copies of ``inputs`` to hold at once on ``device``: ``wanted``, or on a GPU as
+    many as half its free memory holds, one at least. The kind's profile cycles through them; ten
+    copies of an attention task's 6 GB inputs ran an H100 out of memory."""
+    if not device.startswith("cuda"):
+        return wanted
+    import torch
+
+    size = input_bytes(inputs)
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return max(1, min(wanted, int(free // 2 // max(size, 1))))
 
 
 def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> dict[str, Any]:
@@ -1071,7 +1161,6 @@ def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> di
     outputs the parent chose to judge (told only after each rep) are written to ``samples.pt``;
     each candidate's kind from a profile of calls on fresh data (:mod:`kernelcrew.tools.kinds`).
     Global state and every output are checked after every call."""
-    import torch
 
     from kernelcrew.tools import kinds, timing
     from kernelcrew.tools.anticheat import output_problems, snapshot_state, state_changes
@@ -1113,14 +1202,15 @@ def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> di
             if message["op"] == "ready":
                 reply = {**lane.info(), "builds": builds}
             elif message["op"] == "kinds":
+                seeds = message["seeds"]
                 fresh = [
                     timing.fresh_inputs(dev_sets[i % len(dev_sets)], seed)
-                    for i, seed in enumerate(message["seeds"])
+                    for i, seed in enumerate(seeds[: fresh_sets_that_fit(dev_sets[0], len(seeds), device)])
                 ]
                 reply = {}
                 for name, fn in callables.items():
                     kind, evidence = kinds.profile_kind(
-                        fn, fresh, device=device, own=own[name], reps=len(fresh)
+                        fn, fresh, device=device, own=own[name], reps=len(seeds)
                     )
                     reply[name] = {"kind": kind, "evidence": evidence}
             else:
@@ -1129,7 +1219,7 @@ def candidate_server(payload: dict[str, Any], workdir: Path, channel: Any) -> di
         changes = state_changes(baseline_state, snapshot_state(candidate_files))
         if changes:
             raise StageError("state", "timing changed global state: " + "; ".join(changes))
-        torch.save(lane.kept, workdir / "child" / "samples.pt")
+        save_tensors(lane.kept, workdir / "child" / "samples.pt")
     return {"builds": builds}
 
 

@@ -458,3 +458,99 @@ def test_a_large_recheck_output_is_judged_on_secret_positions_and_its_error_loca
     assert "grad" in failure["message"] and "drawn at random" in failure["message"], failure
     row, col = failure["first_bad_index"]
     assert 0 <= row < 300 and 0 <= col < 1000
+
+
+def test_saved_tensors_skip_the_checksums_and_load_back(tmp_path):
+    """Children save their outputs without the archive's CRC-32 (five times slower to write on a
+    large task); the files still load, plainly and with mmap, as the parent reads them."""
+    import zipfile
+
+    from kernelcrew.tools.harness import save_tensors
+
+    data = {"set:0": [torch.randn(1000), torch.arange(7)]}
+    path = tmp_path / "outputs.pt"
+    save_tensors(data, path)
+    crcs = [info.CRC for info in zipfile.ZipFile(path).infolist() if "/data/" in info.filename]
+    assert crcs and set(crcs) == {0}
+    for mmap in (False, True):
+        back = torch.load(path, weights_only=True, mmap=mmap)
+        assert all(torch.equal(a, b) for a, b in zip(back["set:0"], data["set:0"], strict=True))
+    from torch.utils.serialization import config
+
+    assert config.save.compute_crc32  # the setting is put back
+
+
+def test_host_copy_never_shares_memory():
+    from kernelcrew.tools.harness import host_copy
+
+    x = torch.randn(64, 3)[:, 1]  # a strided view
+    copy = host_copy(x)
+    assert torch.equal(copy, x) and copy.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_outputs_are_judged_on_several_threads_and_torch_gets_its_threads_back(monkeypatch):
+    """The parent judges a verification's calls side by side, each on one torch thread."""
+    import threading
+
+    from kernelcrew.tools import correctness
+
+    seen_threads, torch_threads = set(), set()
+    compare = correctness.compare_output
+
+    def spy(*args, **kwargs):
+        seen_threads.add(threading.get_ident())
+        torch_threads.add(torch.get_num_threads())
+        return compare(*args, **kwargs)
+
+    monkeypatch.setattr(correctness, "compare_output", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        verdict = verify(_WIDE_TASK, _WRONG_WITH_GRAD, device="cpu", settings=Settings(sandbox_timeout_s=120))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert not verdict.passed and "grad" in verdict.failures[0]["message"]
+    assert torch_threads == {1} and len(seen_threads) >= 1
+    threads = torch.get_num_threads()
+    with correctness._judging_pools(1) as (per_call, per_range):
+        assert per_call._max_workers == 1
+        assert per_range._max_workers == max(1, min(correctness.JUDGE_THREADS, threads))
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("case", ["right", "wrong_late", "nan_and_wrong", "beyond_range", "ulp_noise"])
+def test_ranges_judged_side_by_side_give_the_whole_output_s_verdict(monkeypatch, case):
+    """A large output is judged in ranges on a pool; every metric, the first bad element and
+    the first non-finite one match judging it whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernelcrew.tools import correctness
+
+    monkeypatch.setattr(correctness, "JUDGE_CHUNK", 64)
+    monkeypatch.setattr(correctness, "JUDGE_RANGE", 1000)
+    gen = torch.Generator().manual_seed(3)
+    golden = torch.randn(50, 101, generator=gen, dtype=torch.float64)
+    native = golden.float()
+    cand = native.clone()
+    dtype = "float32"
+    if case == "wrong_late":
+        cand[40, 7] += 1.0
+        cand[45, 0] -= 2.0
+    elif case == "nan_and_wrong":
+        cand[30, 3] = float("nan")
+        cand[2, 100] += 0.5
+        cand[33, 3] = float("inf")
+    elif case == "beyond_range":
+        golden[20, 20] = 1e6
+        native, cand, dtype = golden.half(), golden.half(), "float16"
+        cand[25, 1] += 1.0
+    elif case == "ulp_noise":
+        cand = (golden * (1 + 1e-6 * torch.randn(50, 101, generator=gen, dtype=torch.float64))).float()
+    tol = tolerance_for(dtype, "pointwise", "strict")
+    whole = compare_output(cand, golden, native, tol)
+    with ThreadPoolExecutor(4) as pool:
+        ranged = compare_output(cand, golden, native, tol, pool)
+    assert ranged == pytest.approx(whole), (ranged, whole)
+    assert whole["ok"] == (case in ("right", "ulp_noise"))
