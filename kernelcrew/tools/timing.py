@@ -1258,8 +1258,7 @@ def start_benchmark(
         "quick": quick,
     }
     if golden is not None:
-        # Time on the seed sets of the task's main shape (the test sets are for correctness).
-        payload["set_indices"] = [r["index"] for r in golden.meta["sets"] if r["origin"] == "seed"][:4]
+        payload["set_indices"] = timing_sets(golden.meta)
     sides = _Sides(task_source, candidates, payload, compile_modes, golden, settings)
     try:
         launched = sides.launch()
@@ -1267,6 +1266,28 @@ def start_benchmark(
         sides.close()
         raise
     return PendingBenchmark(sides, launched)
+
+
+#: Input sets a benchmark times on, at most.
+TIMING_SETS = 4
+#: Share of the GPU's memory each of a benchmark's two processes plans for: they share the GPU,
+#: and the reference's process computes float64 goldens of judged calls besides.
+TIMING_MEMORY_SHARE = 0.3
+
+
+def timing_sets(meta: dict[str, Any]) -> list[int]:
+    """The golden's input sets a benchmark times on: the seed sets of the task's main shape (the
+    test sets are for correctness), as many as each process can hold on the GPU.
+
+    A process holds its sets on the device, plus two fresh copies of one set for the rep it runs
+    and a few outputs. A task whose set is GBs (attention over long sequences) ran out of GPU
+    memory with four sets in each process; it gets fewer, one at least."""
+    seeds = [r for r in meta["sets"] if r["origin"] == "seed"][:TIMING_SETS]
+    memory, set_bytes = meta.get("device_memory"), max((r.get("bytes", 0) for r in seeds), default=0)
+    if memory and set_bytes:
+        room = TIMING_MEMORY_SHARE * memory - 3 * meta.get("output_bytes", 0)
+        seeds = seeds[: max(1, int(room // set_bytes) - 2)]
+    return [r["index"] for r in seeds]
 
 
 class PendingBenchmark:

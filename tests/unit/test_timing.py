@@ -384,3 +384,24 @@ def test_cuda_compile_baseline() -> None:
     assert compile_s > 0
     with torch.no_grad():
         torch.testing.assert_close(fn([x]), model(x))
+
+
+def test_timing_sets_fit_the_gpu_memory_of_both_processes():
+    """Attention over 512 tokens of 1024 features in fp32 (6.4 GB of inputs a set) ran out of an
+    H100's memory timing on four sets in each process; it gets one. Small sets keep four."""
+    from kernelcrew.tools.timing import timing_sets
+
+    def meta(set_bytes, output_bytes, memory):
+        sets = [{"index": i, "origin": "seed", "bytes": set_bytes} for i in range(5)]
+        sets += [
+            {"index": 5, "origin": "test", "bytes": 1},
+            {"index": 6, "origin": "signed", "bytes": set_bytes},
+        ]
+        return {"sets": sets, "output_bytes": output_bytes, "device_memory": memory}
+
+    h100 = 80 * 10**9
+    assert timing_sets(meta(6.4e9, 2.1e9, h100)) == [0]
+    assert timing_sets(meta(4.0e9, 2.0e9, h100)) == [0, 1]  # (24 - 6) GB // 4 GB, less 2 fresh copies
+    assert timing_sets(meta(1e6, 1e6, h100)) == [0, 1, 2, 3]
+    assert timing_sets(meta(1e6, 1e6, None)) == [0, 1, 2, 3]  # a CPU golden: no device memory
+    assert timing_sets(meta(50e9, 1e6, h100)) == [0]  # never none
