@@ -64,6 +64,11 @@ class VerifyRequest(ExecutorRequest):
 
     candidate_source: str = Field(description="The candidate's source (defines ModelNew).")
     candidate_path: str = Field("candidate.py", description="The candidate's file name.")
+    profile_kind: bool = Field(
+        True,
+        description="Profile whose kernels did the work (the verdict's kind); off where a timing "
+        "follows that profiles the timed calls anyway.",
+    )
 
 
 class BenchmarkRequest(ExecutorRequest):

@@ -215,11 +215,19 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         note["verified_in_step"] = prior.get("step")
         timed = cand
     else:
+        # kernelcrew's own torch.compile of the reference: its kind is known, and profiling it
+        # cost about 20 s on a GPU.
         verdict = ctx.executor.verify(
-            ctx.request(VerifyRequest, state, candidate_source=source, candidate_path="fallback.py")
+            ctx.request(
+                VerifyRequest,
+                state,
+                candidate_source=source,
+                candidate_path="fallback.py",
+                profile_kind=False,
+            )
         )
         cand.verdict, cand.stage, cand.message = verdict.verdict, verdict.stage, verdict.message
-        cand.kind, cand.failures, cand.flags = verdict.kind, verdict.failures, verdict.flags
+        cand.kind, cand.failures, cand.flags = "compiler", verdict.failures, verdict.flags
         note["phase_s"] = verdict.verify_phases()
         ctx.emit("verify", candidate=cand.id, verdict=cand.verdict, stage=cand.stage, message=cand.message)
         timed = timed_by_baseline(state, cand, mode) if cand.verdict == "pass" else cand

@@ -27,8 +27,12 @@ def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             draft, verdict="fail", stage=unusable["stage"], message=unusable["message"], failures=[unusable]
         )
     else:
+        # The kind comes from the timing that follows a pass (a profile of the timed calls): a
+        # profile here too cost a compiled candidate about 20 s on a GPU.
         verdict = ctx.executor.verify(
-            ctx.request(VerifyRequest, state, candidate_source=draft.source, candidate_path=path)
+            ctx.request(
+                VerifyRequest, state, candidate_source=draft.source, candidate_path=path, profile_kind=False
+            )
         )
         checked = replace(
             draft,

@@ -157,6 +157,7 @@ class LocalExecutor:
             task_path=request.task_path,
             golden=golden,
             settings=self.settings,
+            profile_kind=request.profile_kind,
         )
 
     def benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:
