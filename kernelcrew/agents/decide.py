@@ -163,9 +163,11 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     answer if it passes (its time is the baseline's of the same compile: :func:`timed_by_baseline`).
 
     A step that already verified it is not verified again (its timing stands until the final
-    one). First (insurance) it runs when its expected time and the final report's share fit the
-    budget; at the end of a run, when it ends inside the budget plus the run's tolerance
-    (``GRACE``); otherwise the report says why it did not.
+    one). First, right after the baseline, it always runs: it is the cheapest answer the run can
+    be sure of, and a heavy task whose baseline left no room for it went on to a first step
+    anyway and ended past the budget with nothing (the steps after it must fit the budget). At
+    the end of a run it runs when it ends inside the budget plus the run's tolerance (``GRACE``);
+    otherwise the report says why it did not.
     """
     from kernelcrew.agents.playbook.compiler import generate_compiled
 
@@ -183,11 +185,7 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     )
     expected = 0.0 if prior else modelled_seconds(state, step)
     note: dict[str, Any] = {"strategy": step.strategy, "mode": mode, "why": step.rationale}
-    # First, as insurance, it must fit the budget like a step; at the end it may use the tolerance.
-    limit = (
-        opts.time_budget_s * (1 + GRACE) if state.stop_reason else opts.time_budget_s - final_reserve_s(state)
-    )
-    if used + expected > limit:
+    if state.stop_reason and used + expected > opts.time_budget_s * (1 + GRACE):
         note["skipped"] = (
             f"not verified: it would take about {expected:.0f} s and the run has used {used:.0f} s "
             f"of its {opts.time_budget_s:g} s budget"

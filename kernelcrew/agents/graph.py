@@ -2,8 +2,8 @@
 
 When the baseline measured torch.compile faster than eager, its candidate is verified first
 (fall_back, the run's insurance: whatever the budget allows later, the run has an answer) and the
-steps that follow must beat it; a run that ends without an answer goes through fall_back again
-only when that first attempt did not fit."""
+steps that follow must beat it and fit the budget; a run that ends without an answer goes through
+fall_back again only when that first attempt gave no verdict (no compiler candidate could be made)."""
 
 from __future__ import annotations
 

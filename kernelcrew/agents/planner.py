@@ -59,6 +59,8 @@ def _menu(state: CrewState) -> list[PlanStep]:
     won = preferred_strategies(hits, signature)
     steps: list[PlanStep] = []
     for strategy, reason in playbook.applicable(analysis):
+        if _measured_no_faster(state, strategy):
+            continue
         configs = order_configs(
             playbook.tuning_space(strategy.name, analysis, arch) or [{}], hits, strategy.name, signature
         )
@@ -92,6 +94,18 @@ def _menu(state: CrewState) -> list[PlanStep]:
         return 1, i
 
     return [step for _, step in sorted(enumerate(steps), key=order)]
+
+
+def _measured_no_faster(state: CrewState, strategy: Any) -> bool:
+    """Whether ``strategy`` is a compiler strategy whose torch.compile mode the baseline already
+    timed on the GPU at no faster than eager (beyond noise): its candidate is that same compile, so
+    a step would spend a verification and a timing (about a minute on a large task) to learn it
+    again."""
+    if strategy.source_kind != "compiler" or state.options.device == "cpu":
+        return False
+    mode = dict(strategy.options).get("mode", "default")
+    eager, compiled = state.baseline.eager_ms, state.baseline.compile_ms.get(mode)
+    return bool(eager and compiled and compiled >= eager * (1 - NOISE))
 
 
 def _guidance(state: CrewState, llm: bool = False) -> tuple[dict[str, Any], list[str]]:
@@ -187,9 +201,9 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     if step is None:
         step = _plan_with_playbook(state, prefs)
     planned = sum(1 for r in state.iterations if not r.get("fallback"))
-    if step is not None and planned and not _fits_budget(state, step):
-        # nothing left that fits; the first planned step always starts, however heavy the task
-        # (the compiler's fallback, verified first as insurance, is not one)
+    if step is not None and (planned or state.best is not None) and not _fits_budget(state, step):
+        # nothing left that fits; a run without an answer starts its first planned step however
+        # heavy the task (a run with one, the compiler's fallback, keeps to the budget)
         return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
     if step is None:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}

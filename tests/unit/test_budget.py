@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -456,10 +457,11 @@ def test_a_playbook_run_profiles_its_answer_once_at_the_end_when_the_budget_affo
     )
 
 
-def test_the_first_planned_step_starts_even_after_the_fallback_used_the_budget(monkeypatch):
-    """The compiler's fallback, verified first as insurance, is not the run's first step: a heavy
-    task still gets one step of its own (on a loaded CPU the insurance left none fitting, and the
-    run ended with the compiler's answer only)."""
+def test_after_the_fallback_a_step_must_fit_unless_the_run_has_no_answer(monkeypatch):
+    """The compiler's fallback runs first as insurance, whatever the budget. With its answer in
+    hand a step starts only if it fits (on an H100 a heavy task ran its first step past the budget,
+    then had no room left for the fallback and ended with nothing); a run whose fallback gave no
+    answer still gets one step of its own."""
     from kernelcrew.agents import planner
     from kernelcrew.agents.context import CrewContext
 
@@ -470,7 +472,43 @@ def test_the_first_planned_step_starts_even_after_the_fallback_used_the_budget(m
     s.steps_used = 1
     runtime = SimpleNamespace(context=CrewContext(executor=None))
     assert not planner._fits_budget(s, kernel)
-    assert planner.plan(s, runtime)["plan"] == kernel
+    fallback = Candidate(
+        id="fallback", strategy="torch_compile", source_kind="compiler", source="", verdict="pass"
+    )
+    answered = replace(s, best=fallback)
+    assert planner.plan(answered, runtime)["plan"] is None, "the fallback's answer: keep to the budget"
+    assert planner.plan(s, runtime)["plan"] == kernel, "no answer yet: the first step starts"
     s.iterations.append({"step": 2, "strategy": "fused_pointwise", "elapsed_s": 90.0})
     s.steps_used = 2
     assert planner.plan(s, runtime)["plan"] is None, "a second step starts only if it fits"
+
+
+def test_the_insurance_fallback_runs_however_much_of_the_budget_the_baseline_used():
+    """Right after a baseline that used 95 s of 100, the compiler's candidate is still verified
+    (it is the answer the run can be sure of); at the end of a run it must fit the tolerance."""
+    from kernelcrew.agents.context import CrewContext
+    from kernelcrew.agents.decide import fall_back
+    from kernelcrew.records import Verdict
+
+    class Passing:
+        asked = 0
+
+        def verify(self, request):
+            self.asked += 1
+            assert not request.profile_kind
+            return Verdict(
+                verdict="pass", stage="done", message="ok", seed=0, device="cuda", precision="strict"
+            )
+
+    executor = Passing()
+    runtime = SimpleNamespace(context=CrewContext(executor=executor))
+    s = state(task_source=CHAIN, started_at=time.time() - 95.0)
+    update = fall_back(s, runtime)
+    assert executor.asked == 1 and update["best"].kind == "compiler"
+    assert update["best"].time_ms == pytest.approx(1.0), "timed by the baseline's compile"
+    late = state(task_source=CHAIN, started_at=time.time() - 95.0, stop_reason="time budget reached (100 s)")
+    late.baseline.compile_s = {"default": 30.0}
+    update = fall_back(late, runtime)
+    assert (
+        executor.asked == 1 and "not verified: it would take about" in update["budget"]["fallback"]["skipped"]
+    )

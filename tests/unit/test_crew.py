@@ -526,3 +526,38 @@ def test_a_past_win_earns_its_strategy_the_first_step_not_every_step():
         "torch_compile_max_autotune",
     ]
     assert {name for name, _ in menu[4:]} == {"matmul_epilogue"}
+
+
+def test_a_compile_mode_the_baseline_timed_no_faster_than_eager_is_not_a_step():
+    """On an H100 two level-1 convolutions ran slower under torch.compile than eager in the baseline,
+    and the first step compiled them again (a minute each, past the budget). A mode the baseline
+    timed at no faster than eager is left off the menu; an untimed or faster mode stays."""
+    from pathlib import Path
+
+    from kernelcrew.agents.planner import _menu
+    from kernelcrew.agents.playbook.analysis import analyze_child
+    from kernelcrew.agents.state import CrewState, Options
+    from tests.unit.test_matmul import task
+
+    source = task(
+        "self.fc = nn.Linear(64, 32, dtype=torch.float16)",
+        "return torch.relu(self.fc(x))",
+        "torch.randn(16, 64, dtype=torch.float16)",
+        "[]",
+    )
+    analysis = analyze_child({"task_source": source, "task_path": "t.py", "seed": 0}, Path("."))
+
+    def names(device="cuda", **baseline):
+        state = CrewState(
+            task_source=source,
+            options=Options(device=device),
+            baseline={"analysis": analysis, "arch": "sm_90", **baseline},
+        )
+        return {s.strategy for s in _menu(state)}
+
+    assert {"torch_compile", "torch_compile_max_autotune"} <= names()
+    slower = names(eager_ms=14.45, compile_ms={"default": 19.51})
+    assert "torch_compile" not in slower and "torch_compile_max_autotune" in slower
+    assert "torch_compile" not in names(eager_ms=1.0, compile_ms={"default": 0.99})  # within noise
+    assert "torch_compile" in names(eager_ms=1.0, compile_ms={"default": 0.9})
+    assert "torch_compile" in names("cpu", eager_ms=1.0, compile_ms={"default": 2.0})
