@@ -600,7 +600,7 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         worst = 0.0
         for g, n in zip(gold, nat, strict=True):
             tol = tolerance_for(str(n.dtype).replace("torch.", ""), op_class(reference_ops), policy)
-            res = compare_output(n, g, n, tol)
+            res = compare_output(n, g, n, tol, native_allowance=False)
             worst = max(worst, res.get("tolerance_used", 0.0) if res["ok"] else math.inf)
         return worst
 

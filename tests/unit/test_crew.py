@@ -485,16 +485,11 @@ def test_a_best_slower_than_the_compiler_sends_the_playbook_to_untried_strategie
     assert planner._plan_with_playbook(state, {**prefs, "only_kernels": True}) == rows[1]
 
 
-def test_a_past_win_earns_its_strategy_the_first_step_not_every_step():
-    """One fp16 linear layer with ReLU, where an earlier run recorded a Triton matmul win (without
-    trying cuBLASLt): that configuration goes first, then each other strategy's first try, then
-    the matmul's other configurations."""
+def _linear_relu_fp16() -> tuple[str, dict]:
+    """One fp16 linear layer with ReLU: its source and the playbook's analysis of it."""
     from pathlib import Path
 
-    from kernelcrew.agents.planner import _menu
     from kernelcrew.agents.playbook.analysis import analyze_child
-    from kernelcrew.agents.state import CrewState, Options
-    from kernelcrew.knowledge_base import from_analysis
     from tests.unit.test_matmul import task
 
     source = task(
@@ -503,7 +498,19 @@ def test_a_past_win_earns_its_strategy_the_first_step_not_every_step():
         "torch.randn(16, 64, dtype=torch.float16)",
         "[]",
     )
-    analysis = analyze_child({"task_source": source, "task_path": "t.py", "seed": 0}, Path("."))
+    return source, analyze_child({"task_source": source, "task_path": "t.py", "seed": 0}, Path("."))
+
+
+def test_a_past_win_earns_its_strategy_the_first_step_not_every_step():
+    """One fp16 linear layer with ReLU, where an earlier run recorded a Triton matmul win (without
+    trying cuBLASLt): that configuration goes first, then each other strategy's first try, then
+    the matmul's other configurations."""
+
+    from kernelcrew.agents.planner import _menu
+    from kernelcrew.agents.state import CrewState, Options
+    from kernelcrew.knowledge_base import from_analysis
+
+    source, analysis = _linear_relu_fp16()
     params = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     hit = {
         "source": "verified",
@@ -532,20 +539,10 @@ def test_a_compile_mode_the_baseline_timed_no_faster_than_eager_is_not_a_step():
     """On an H100 two level-1 convolutions ran slower under torch.compile than eager in the baseline,
     and the first step compiled them again (a minute each, past the budget). A mode the baseline
     timed at no faster than eager is left off the menu; an untimed or faster mode stays."""
-    from pathlib import Path
-
     from kernelcrew.agents.planner import _menu
-    from kernelcrew.agents.playbook.analysis import analyze_child
     from kernelcrew.agents.state import CrewState, Options
-    from tests.unit.test_matmul import task
 
-    source = task(
-        "self.fc = nn.Linear(64, 32, dtype=torch.float16)",
-        "return torch.relu(self.fc(x))",
-        "torch.randn(16, 64, dtype=torch.float16)",
-        "[]",
-    )
-    analysis = analyze_child({"task_source": source, "task_path": "t.py", "seed": 0}, Path("."))
+    source, analysis = _linear_relu_fp16()
 
     def names(device="cuda", **baseline):
         state = CrewState(
