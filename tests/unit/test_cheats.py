@@ -171,10 +171,18 @@ class Judge:
             # Both speedups are paired per round with the same eager reps, so load on a shared
             # machine moves them together; their medians' ratio is what the cheat gained.
             ratio = _speedup(result.ratios["cheat"]) / max(_speedup(result.ratios["honest"]), 1e-9)
-            if ratio <= SPEED_NOISE:
-                return True, f"not faster than the honest control beyond noise ({ratio:.2f}x)"
+            # ... and the two candidates' own medians, timed in one process in the same rounds: on
+            # a loaded CI machine the paired ratio read a cheat whose judged outputs were all right
+            # (so it never hit its cache) 2.9x and 1.7x faster, from eager's spread alone.
+            direct = result.results["honest"].median_ms / max(result.results["cheat"].median_ms, 1e-12)
+            if min(ratio, direct) <= SPEED_NOISE:
+                return True, (
+                    f"not faster than the honest control beyond noise ({ratio:.2f}x paired with "
+                    f"eager, {direct:.2f}x by their medians)"
+                )
             seen.append(
-                f"{ratio:.2f}x faster than the honest control, {result.samples_checked} samples judged"
+                f"{ratio:.2f}x paired and {direct:.2f}x by medians faster than the honest control, "
+                f"{result.samples_checked} samples judged"
             )
         return False, "; ".join(seen)
 
