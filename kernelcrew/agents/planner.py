@@ -103,9 +103,16 @@ def _measured_no_faster(state: CrewState, strategy: Any) -> bool:
     again."""
     if strategy.source_kind != "compiler" or state.options.device == "cpu":
         return False
-    mode = dict(strategy.options).get("mode", "default")
+    return _compile_beat_eager(state, dict(strategy.options).get("mode", "default")) is False
+
+
+def _compile_beat_eager(state: CrewState, mode: str) -> bool | None:
+    """Whether the baseline timed torch.compile in ``mode`` faster than eager beyond noise; None
+    where it timed no such compile (or no eager)."""
     eager, compiled = state.baseline.eager_ms, state.baseline.compile_ms.get(mode)
-    return bool(eager and compiled and compiled >= eager * (1 - NOISE))
+    if not eager or compiled is None:
+        return None
+    return compiled < eager * (1 - NOISE)
 
 
 def _guidance(state: CrewState, llm: bool = False) -> tuple[dict[str, Any], list[str]]:
@@ -385,12 +392,11 @@ def final_reserve_s(state: CrewState) -> float:
 def fallback_mode(state: CrewState) -> str | None:
     """The fastest torch.compile mode the baseline measured faster than eager (beyond noise) that
     the playbook's compiler strategies generate, or None."""
-    eager = state.baseline.eager_ms
     modes = compiler_strategies()
     faster = {
         mode: ms
         for mode, ms in state.baseline.compile_ms.items()
-        if mode in modes and eager and ms < eager * (1 - NOISE)
+        if mode in modes and _compile_beat_eager(state, mode)
     }
     return min(faster, key=lambda mode: faster[mode]) if faster else None
 

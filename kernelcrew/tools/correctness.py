@@ -878,9 +878,10 @@ def _judge(
 
     def judge_call(key: str, outs: list[Any]) -> tuple[tuple[str, ...], list[dict[str, Any]] | None]:
         """A call's fingerprint and each output's comparison (None: not as many outputs)."""
-        g_list, n_list = golden[_expected_set(key)], native[_expected_set(key)]
+        idx = _expected_set(key)
+        g_list, n_list, fingerprint = golden[idx], native[idx], _fingerprint(outs)
         if len(outs) != len(g_list):
-            return _fingerprint(outs), None
+            return fingerprint, None
         results = []
         for o, (c, g, n) in enumerate(zip(outs, g_list, n_list, strict=True)):
             dtype = str(n.dtype).replace("torch.", "")
@@ -891,7 +892,7 @@ def _judge(
                 res["first_bad_index"] = _unravel(at, tuple(g_list[o].shape))
                 res["message"] = f"{res['message']} (of {len(positions)} elements drawn at random)"
             results.append(res)
-        return _fingerprint(outs), results
+        return fingerprint, results
 
     with _judging_pools(len(outputs)) as (pool, ranges):
         found = list(pool.map(judge_call, outputs.keys(), outputs.values()))
