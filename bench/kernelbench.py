@@ -375,15 +375,23 @@ def result(order: list[str], shards: list[dict[str, Any]]) -> dict[str, Any]:
     return data
 
 
-def seed_shards(results: Path, order: list[str], gpus: list[str], out: Path, device: str) -> int:
+def seed_shards(
+    results: Path,
+    order: list[str],
+    gpus: list[str],
+    out: Path,
+    device: str,
+    again: frozenset[str] = frozenset(),
+) -> int:
     """On a machine without the shards' tables, give each shard the rows the result file already has
-    (same device kind), so ``kernelcrew bench --resume`` skips them; returns how many were seeded."""
+    (same device kind) but those of ``again``, so ``kernelcrew bench --resume`` skips them; returns
+    how many were seeded."""
     if not results.exists():
         return 0
     previous = json.loads(results.read_text())
     if previous.get("device_kind") != device:
         return 0
-    rows = {r["task"]: r for r in previous.get("rows", []) if r["task"] in order}
+    rows = {r["task"]: r for r in previous.get("rows", []) if r["task"] in order and r["task"] not in again}
     header = {
         k: v
         for k, v in previous.items()
@@ -405,9 +413,14 @@ def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str
     """Run (or continue) the sample in ``args.run`` and write the result files."""
     limit_at = None if args.wall_limit is None else (args.started or time.time()) + args.wall_limit
     order = run_order([p.stem for p in suite_tasks(args.run)])
+    first = [t for t in (args.first or "").split(",") if t]
+    unknown = sorted(set(first) - set(order))
+    if unknown:
+        raise SystemExit(f"--first names tasks that are not in the sample: {', '.join(unknown)}")
+    launched = [*first, *(t for t in order if t not in first)]
     gpus = [g for g in args.gpus.split(",") if g]
     results = args.results / f"{args.name}.json"
-    seeded = seed_shards(results, order, gpus, args.out, args.device)
+    seeded = seed_shards(results, launched, gpus, args.out, args.device, frozenset(first))
     if seeded:
         print(f"{seeded} finished tasks taken from {results}", file=sys.stderr)
     left = None if limit_at is None else limit_at - time.time()
@@ -417,7 +430,7 @@ def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str
         more = [] if left is None else ["--max-wall", f"{left - args.reserve:.0f}"]
         deadline = None if left is None else time.monotonic() + left - STOP_BEFORE_S
         collect(
-            launch(args.run, order, gpus, args.out, [*more, *extra], device=args.device), deadline=deadline
+            launch(args.run, launched, gpus, args.out, [*more, *extra], device=args.device), deadline=deadline
         )
     tables = [args.out / f"gpu{gpu}" / "suite.json" for gpu in gpus]
     data = result(
@@ -480,6 +493,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--name", default="kernelbench_h100", help="the result's file name")
     ap.add_argument("--wall-limit", type=float, help="seconds this command may run (from --started)")
+    ap.add_argument(
+        "--first",
+        help="comma list of the sample's tasks to run first, and again where the result file has them "
+        "(a task re-run after a fix)",
+    )
     ap.add_argument("--started", type=float, help="epoch seconds the limit counts from (default: now)")
     ap.add_argument("--reserve", type=float, default=RESERVE_S, help="start no task with fewer seconds left")
     args = ap.parse_args(ours)

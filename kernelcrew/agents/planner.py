@@ -58,9 +58,14 @@ def _menu(state: CrewState) -> list[PlanStep]:
     signature = from_analysis(analysis.to_dict()).text
     won = preferred_strategies(hits, signature)
     steps: list[PlanStep] = []
+    idle = idle_fraction(state)
     for strategy, reason in playbook.applicable(analysis):
         if _measured_no_faster(state, strategy):
             continue
+        if strategy.name == GRAPH_STRATEGY:
+            if idle is None or idle < GRAPH_IDLE_MIN:
+                continue
+            reason += f"; the GPU ran kernels {1 - idle:.0%} of the reference's time"
         configs = order_configs(
             playbook.tuning_space(strategy.name, analysis, arch) or [{}], hits, strategy.name, signature
         )
@@ -89,11 +94,31 @@ def _menu(state: CrewState) -> list[PlanStep]:
 
     def order(item: tuple[int, PlanStep]) -> tuple[int, int]:
         i, step = item
+        if step.strategy == GRAPH_STRATEGY and idle is not None and idle >= GRAPH_IDLE_FIRST:
+            return 0, -1
         if step.strategy in won and first[step.strategy] == i:
             return 0, won.index(step.strategy)
         return 1, i
 
     return [step for _, step in sorted(enumerate(steps), key=order)]
+
+
+#: The strategy that replays the reference's own kernels as CUDA graphs: it can only save the time
+#: the GPU sits idle between kernels, so it is offered where the baseline measured that idle time
+#: (a GPU) at :data:`GRAPH_IDLE_MIN` of eager's or more, and tried first from
+#: :data:`GRAPH_IDLE_FIRST` (a launch-bound module: nothing else saves as much).
+GRAPH_STRATEGY = "cuda_graph"
+GRAPH_IDLE_MIN = 0.05
+GRAPH_IDLE_FIRST = 0.25
+
+
+def idle_fraction(state: CrewState) -> float | None:
+    """The share of eager's time per call that the GPU ran none of the reference's kernels (the
+    baseline's profile of all its kernels against eager's median); None on a CPU or unmeasured."""
+    base = state.baseline
+    if not str(base.hotspot_clock or "").startswith("cuda") or not base.hotspot_total_us or not base.eager_ms:
+        return None
+    return max(0.0, 1.0 - base.hotspot_total_us / (base.eager_ms * 1000.0))
 
 
 def _measured_no_faster(state: CrewState, strategy: Any) -> bool:

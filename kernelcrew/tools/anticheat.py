@@ -24,6 +24,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import os
 import string
 import sys
 import threading
@@ -1016,6 +1017,8 @@ def _harness_functions() -> dict[str, Any]:
         "torch.save": torch.save,
         "torch.load": torch.load,
         "torch.manual_seed": torch.manual_seed,
+        "torch.randint": torch.randint,
+        "os.urandom": os.urandom,
         "torch.nn.Module.__call__": torch.nn.Module.__call__,
         "torch.nn.Module._call_impl": torch.nn.Module._call_impl,
         "torch.nn.Module.load_state_dict": torch.nn.Module.load_state_dict,

@@ -16,7 +16,8 @@
    global state and inputs checked around every call, the same inputs twice, and the caching
    sequence A, B, A at a new address, B's data at A's address;
 5. the judgement here, in the parent: every output against the golden by the pass rule below (a
-   large output of a re-check call on secret random positions, :func:`_recheck_sample`).
+   large output of a re-check call at random positions the child drew after the call returned,
+   :func:`harness.sample_outputs`).
 
 Pass rule, per output: exact dtype and shape; every element judged against the float64 golden:
 NaN only where it is NaN, Inf only where it is that Inf or beyond the dtype's range with that sign,
@@ -45,6 +46,7 @@ from kernelcrew.records import Verdict
 from kernelcrew.task import TaskError, check_source
 from kernelcrew.tools import sandbox
 from kernelcrew.tools.anticheat import static_check
+from kernelcrew.tools.harness import RECHECK_ELEMENTS
 from kernelcrew.tools.packaging import unpack
 
 MATMUL_OPS = frozenset(
@@ -810,24 +812,31 @@ def _fingerprint(outs: list[Any]) -> tuple[str, ...]:
     return tuple(parts)
 
 
-#: Elements judged of each output of a re-check call (repeat, grad and inference modes, the cache
-#: sequence), at most: the input sets' own calls are judged in full.
-RECHECK_ELEMENTS = 1 << 16
-
-
-def _recheck_sample(key: str, c: Any, g: Any, n: Any) -> tuple[Any, Any, Any, Any]:
-    """``c, g, n`` as they are, or for a large output of a re-check call the same
-    :data:`RECHECK_ELEMENTS` positions of each, drawn from a secret source after the candidate's
-    process has ended, and those positions. A re-check catches a replayed, cached or mode-dependent
-    answer: wrong nearly everywhere, so a random sample finds it as surely as the whole output,
-    at a fraction of the judging (half of a large task's outputs are re-checks)."""
+def _picked(key: str, pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[str, Any] | None]:
+    """The golden and native elements at the positions a re-check call's output was kept at (the
+    child drew them after the call: :func:`harness.sample_outputs`), the positions, and a failure
+    when the kept shape is not the reference's or the positions are not positions of it."""
     import torch
 
-    if key.startswith("set:") or c.numel() <= RECHECK_ELEMENTS or tuple(c.shape) != tuple(n.shape):
-        return c, g, n, None
-    generator = torch.Generator().manual_seed(secrets.randbits(62))
-    positions = torch.randint(0, c.numel(), (RECHECK_ELEMENTS,), generator=generator)
-    return (*(t.reshape(-1)[positions] for t in (c, g, n)), positions)
+    shape = tuple(pick["shape"])
+    if shape != tuple(n.shape):
+        failure = {
+            "ok": False,
+            "stage": "shape",
+            "message": f"shape {shape} but the reference gives {tuple(n.shape)}",
+        }
+        return g, n, None, failure
+    positions = pick["positions"]
+    if (
+        not isinstance(positions, torch.Tensor)
+        or positions.dtype != torch.int64
+        or positions.dim() != 1
+        or not 0 < positions.numel() <= RECHECK_ELEMENTS
+        or int(positions.min()) < 0
+        or int(positions.max()) >= n.numel()
+    ):
+        return g, n, None, {"ok": False, "stage": "output_type", "message": "malformed sample positions"}
+    return g.reshape(-1)[positions], n.reshape(-1)[positions], positions, None
 
 
 #: Threads that judge a verification's calls at once, at most (each on one torch thread).
@@ -873,6 +882,8 @@ def _judge(
     outputs = torch.load(outputs_path, weights_only=True, mmap=True)
     golden = torch.load(golden_dir / "golden.pt", weights_only=True, mmap=True)
     native = torch.load(golden_dir / "native.pt", weights_only=True, mmap=True)
+    picks_path = outputs_path.with_name("picks.pt")
+    picks = torch.load(picks_path, weights_only=True) if picks_path.exists() else {}
     cls = op_class(meta["reference_ops"])
     sets = {r["index"]: r for r in meta["sets"]}
 
@@ -883,9 +894,17 @@ def _judge(
         if len(outs) != len(g_list):
             return fingerprint, None
         results = []
+        kept = picks.get(key) or [None] * len(outs)
+        if len(kept) != len(outs):
+            return fingerprint, None
         for o, (c, g, n) in enumerate(zip(outs, g_list, n_list, strict=True)):
             dtype = str(n.dtype).replace("torch.", "")
-            c, g, n, positions = _recheck_sample(key, c, g, n)
+            positions = None
+            if kept[o] is not None:
+                g, n, positions, failure = _picked(key, kept[o], g, n)
+                if failure is not None:
+                    results.append(failure)
+                    continue
             res = compare_output(c, g, n, tolerance_for(dtype, cls, verdict.precision), ranges)
             if positions is not None and res.get("first_bad_index") is not None:
                 at = int(positions[res["first_bad_index"][0]])

@@ -57,6 +57,15 @@ KIND_CALLS_VERIFY = 5
 #: The verify child keeps the outputs of its first calls (on different data) and checks at the end
 #: that later calls left them alone: a candidate rotating through fewer output buffers than calls fails.
 HELD_OUTPUTS = 6
+#: Share of the GPU's free memory a verification child holds its input sets and held outputs in:
+#: past it (a task whose input set is GBs) each set goes to the device only for its own call, and
+#: outputs are held while they fit. Eight sets of 6.4 GB and the outputs held with them ran an H100
+#: out of memory.
+CHECK_MEMORY_SHARE = 0.4
+#: Elements kept of each output of a re-check call (repeat, grad and inference modes, the cache
+#: sequence), at most, at positions drawn after the call returned: the input sets' own calls are
+#: kept, and judged, in full.
+RECHECK_ELEMENTS = 1 << 16
 
 
 class Laps:
@@ -849,26 +858,53 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
             raise StageError("output_type", f"the candidate's output on {label}: " + "; ".join(problems[:3]))
         return out
 
-    handed_out: list[tuple[str, list[Any], list[Any]]] = []  # outputs that must survive later calls
+    handed_out: list[tuple[str, list[Any], list[Any], list[Any]]] = []  # must survive later calls
     notes: list[str] = []
+    picks: dict[str, list[Any]] = {}
+    room = _check_memory(device)
+    resident = room is None or sum(input_bytes(s) for s in input_lists) <= room
+    held_bytes = 0
 
     def keep(key: str, out: Any, hold: bool = False) -> None:
-        outputs[key] = [host_copy(t) for t in flatten_outputs(out)]
-        if hold:
-            handed_out.append((key, flatten_outputs(out), outputs[key]))
+        nonlocal held_bytes
+        tensors = flatten_outputs(out)
+        if key.startswith("set:"):
+            outputs[key], picks[key] = [host_copy(t) for t in tensors], [None] * len(tensors)
+        else:
+            outputs[key], picks[key] = sample_outputs(tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if hold and (room is None or held_bytes + size <= room):
+            held_bytes += size
+            handed_out.append((key, tensors, outputs[key], picks[key]))
+
+    pinned: dict[int, list[Any]] = {}
+
+    def on_device(index: int, pin: bool = False) -> list[Any]:
+        """Input set ``index`` on the device: kept there for good when all sets fit (or ``pin``),
+        otherwise moved for this call only."""
+        if index in pinned:
+            return pinned[index]
+        inputs = to_device(input_lists[index], device)
+        if resident or pin:
+            pinned[index] = inputs
+        return inputs
 
     with poisoned_memory():
-        dev_sets = [to_device(s, device) for s in input_lists]
-        for i, (rec, inputs) in enumerate(zip(sets, dev_sets, strict=True)):
+        first_set = sets[0]["index"]
+        for i, rec in enumerate(sets):
             label = f"input set {rec['index']} ({rec['origin']})"
-            keep(f"set:{rec['index']}", call(inputs, label), hold=i < HELD_OUTPUTS)
+            out = call(on_device(rec["index"], pin=i == 0), label)
+            keep(f"set:{rec['index']}", out, hold=i < HELD_OUTPUTS)
+            del out
         checks.append({"name": "all input sets", "passed": True, "detail": f"{len(sets)} sets ran"})
+        if not resident:
+            notes.append("input sets moved to the device one call at a time (they do not fit at once)")
         lap("input_sets")
 
         # The same inputs twice: same output, and the first output must survive the second call.
-        first = call(dev_sets[0], "input set 0 (repeat 1)")
+        first = call(on_device(first_set), "input set 0 (repeat 1)")
         first_copy = clone_tensors(flatten_outputs(first))
-        second = call(dev_sets[0], "input set 0 (repeat 2)")
+        second = call(on_device(first_set), "input set 0 (repeat 2)")
         keep("repeat:0", second)
         declared = bool(getattr(type(model), "NONDETERMINISTIC", False))
         held = all(_bitwise_equal(a, b) for a, b in zip(first_copy, flatten_outputs(first), strict=True))
@@ -890,32 +926,33 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 "detail": "bitwise equal" if same else "declared nondeterministic",
             }
         )
+        del first, first_copy, second
 
         # A user's call may run with autograd on or in inference mode: the same answer there.
-        first_set = sets[0]["index"]
         for mode_name, mode in (("grad", torch.enable_grad), ("inference", torch.inference_mode)):
             try:
-                out = call(clone_tensors(dev_sets[0]), f"input set 0 with {mode_name} mode", mode)
+                out = call(clone_tensors(on_device(first_set)), f"input set 0 with {mode_name} mode", mode)
             except StageError as exc:
                 if exc.stage != "runtime":
                     raise
                 notes.append(f"does not run in {mode_name} mode: {exc.message[:200]}")
                 continue
             keep(f"{mode_name}:{first_set}", out)
+            del out
 
         # Caching by address or call count: A, B, A's data at a new address, B's data at A's address.
         seeds = [r["index"] for r in sets if r["origin"] == "seed"]
         a, b = seeds[0], seeds[1] if len(seeds) > 1 else None
-        if b is not None and describe_inputs(dev_sets[a]) == describe_inputs(dev_sets[b]):
-            keep(f"seq:A:{a}", call(dev_sets[a], "cache sequence A"), hold=True)
-            keep(f"seq:B:{b}", call(dev_sets[b], "cache sequence B"), hold=True)
+        if b is not None and describe_inputs(input_lists[a]) == describe_inputs(input_lists[b]):
+            at_a, at_b = on_device(a, pin=True), on_device(b, pin=True)
+            keep(f"seq:A:{a}", call(at_a, "cache sequence A"), hold=True)
+            keep(f"seq:B:{b}", call(at_b, "cache sequence B"), hold=True)
             keep(
                 f"seq:A_new_address:{a}",
-                call(clone_tensors(dev_sets[a]), "cache sequence A at a new address"),
+                call(clone_tensors(at_a), "cache sequence A at a new address"),
                 hold=True,
             )
-            at_a = dev_sets[a]
-            copy_into(at_a, dev_sets[b])
+            copy_into(at_a, at_b)
             keep(f"seq:B_at_A_address:{b}", call(at_a, "cache sequence B's data at A's address"))
             checks.append(
                 {
@@ -927,8 +964,12 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
         # Every output handed out must stay as it was: a candidate that writes each call into
         # one (or a few) buffers of its own overwrites what an earlier caller still holds.
-        for key, live, copies in handed_out:
-            if not all(_bitwise_equal(t.detach().to("cpu"), c) for t, c in zip(live, copies, strict=True)):
+        for key, live, copies, picked in handed_out:
+            now = [
+                t.detach() if p is None else t.detach().reshape(-1)[p["positions"].to(t.device)]
+                for t, p in zip(live, picked, strict=True)
+            ]
+            if not all(_bitwise_equal(t.to("cpu"), c) for t, c in zip(now, copies, strict=True)):
                 raise StageError(
                     "cache",
                     f"the output of an earlier call ({key.rsplit(':', 1)[0]}) changed during later calls: "
@@ -939,13 +980,14 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     # Whose kernels did the work: a profile of calls on the seed sets, outside the poisoned memory.
     kind, kind_evidence = None, {"note": "decided by the timing that follows"}
     if payload.get("profile_kind", True):
-        profiled = [dev_sets[r["index"]] for r in sets if r["origin"] == "seed"] or dev_sets[:1]
+        profiled = [on_device(r["index"]) for r in sets if r["origin"] == "seed"] or [on_device(first_set)]
         reps = KIND_CALLS_VERIFY if device.startswith("cuda") else 1
         kind, kind_evidence = kinds.profile_kind(
             lambda inputs: model(*inputs), profiled, device=device, own=kinds.own_names(source), reps=reps
         )
         lap("kind")
     save_tensors(outputs, workdir / "child" / "outputs.pt")
+    save_tensors(picks, workdir / "child" / "picks.pt")
     lap("save")
     return {
         "phase_s": lap.seconds,
@@ -956,6 +998,42 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         "notes": notes,
         "nondeterministic": declared,
     }
+
+
+def _check_memory(device: str) -> int | None:
+    """Bytes of GPU memory a verification child holds input sets and outputs in
+    (:data:`CHECK_MEMORY_SHARE` of what is free); None off a GPU, where nothing is copied."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(CHECK_MEMORY_SHARE * free)
+
+
+def sample_outputs(tensors: list[Any]) -> tuple[list[Any], list[Any]]:
+    """What is kept of a re-check call's outputs: a tensor of at most :data:`RECHECK_ELEMENTS`
+    elements in full, a larger one at that many positions drawn from ``os.urandom`` after the call
+    returned (the state checks make sure the candidate has not replaced it), with the positions and
+    the shape. A re-check catches a replayed, cached or mode-dependent answer: wrong nearly
+    everywhere, so a random sample finds it as surely as the whole output, and a large task's
+    re-checks no longer cost GBs of copies, files and judging each."""
+    import torch
+
+    kept, picks = [], []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() <= RECHECK_ELEMENTS:
+            kept.append(host_copy(t))
+            picks.append(None)
+            continue
+        generator = torch.Generator(device=flat.device).manual_seed(int.from_bytes(os.urandom(8)) >> 2)
+        positions = torch.randint(
+            0, flat.numel(), (RECHECK_ELEMENTS,), generator=generator, device=flat.device
+        )
+        kept.append(flat[positions].to("cpu"))
+        picks.append({"positions": positions.to("cpu"), "shape": list(t.shape)})
+    return kept, picks
 
 
 def memcheck_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:

@@ -463,3 +463,15 @@ def test_kernelbench_run_order_keeps_a_partial_run_stratified():
     assert [sum(n.startswith(f"l{k}_") for n in first) for k in (1, 2, 3)] == [4, 8, 2]
     level2 = [n for n in order if n.startswith("l2_")][:4]  # the strata of a level take turns
     assert {"Gemm" in n for n in level2} == {True, False}
+
+
+def test_kernelbench_rows_of_tasks_run_again_are_not_seeded(tmp_path):
+    """``--first`` re-runs a task after a fix: its old row is not handed to the shard to skip."""
+    from bench.kernelbench import seed_shards
+
+    results = tmp_path / "kb.json"
+    rows = [{"task": "l1_a"}, {"task": "l2_b"}]
+    results.write_text(json.dumps({"device_kind": "cuda", "rows": rows}))
+    assert seed_shards(results, ["l2_b", "l1_a"], ["0"], tmp_path / "out", "cuda", frozenset({"l2_b"})) == 1
+    table = json.loads((tmp_path / "out" / "gpu0" / "suite.json").read_text())
+    assert [r["task"] for r in table["rows"]] == ["l1_a"]

@@ -580,3 +580,59 @@ def test_an_element_as_wrong_as_pytorch_itself_there_passes_and_twice_more_fails
     wrong = native.clone()
     wrong[100] = 1e-3
     assert not compare_output(wrong, golden, overflowed, tol)["ok"]
+
+
+_RIGHT_WIDE = """
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return x * 2.0
+"""
+
+
+@pytest.mark.parametrize(("candidate", "passes"), [(_RIGHT_WIDE, True), (_WRONG_WITH_GRAD, False)])
+def test_input_sets_that_do_not_fit_the_device_move_one_call_at_a_time(
+    monkeypatch, tmp_path, candidate, passes
+):
+    """A task whose input sets do not fit a verification child's share of the device (6.4 GB sets ran
+    an H100 out of memory) gets each set moved for its own call, outputs held only while they fit,
+    and its re-checks kept at random positions: judged as when everything fits."""
+    from kernelcrew.records import Verdict
+    from kernelcrew.tools import correctness, harness
+
+    golden = correctness.make_golden(
+        _WIDE_TASK, device="cpu", seed=5, settings=Settings(sandbox_timeout_s=120)
+    )
+    try:
+        correctness.share_inputs(golden, tmp_path)
+        (tmp_path / "child").mkdir()
+        monkeypatch.setattr(harness, "_check_memory", lambda device: 1)  # nothing fits
+        payload = {
+            "device": "cpu",
+            "seed": 5,
+            "precision": "strict",
+            "task_source": _WIDE_TASK,
+            "task_path": "task.py",
+            "candidate_source": candidate,
+            "candidate_path": str(tmp_path / "candidate.py"),
+            "sets": golden.meta["sets"],
+            "reference_aliases": False,
+            "profile_kind": False,
+        }
+        result = harness.candidate_child(payload, tmp_path)
+        assert any("one call at a time" in note for note in result["notes"])
+        picks = torch.load(tmp_path / "child" / "picks.pt", weights_only=True)
+        assert picks["set:0"] == [None] and picks["repeat:0"][0]["shape"] == [300, 1000]
+        verdict = Verdict(verdict="fail", stage="", message="", seed=5, device="cpu", precision="strict")
+        correctness._judge(verdict, golden.meta, tmp_path / "child" / "outputs.pt", golden.path, False)
+        assert (not verdict.failures) is passes, verdict.failures
+        if not passes:
+            assert (
+                "grad" in verdict.failures[0]["message"]
+                and "drawn at random" in verdict.failures[0]["message"]
+            )
+    finally:
+        golden.cleanup()

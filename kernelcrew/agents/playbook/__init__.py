@@ -108,6 +108,14 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.epilogue",
         ),
         Strategy(
+            "cuda_graph",
+            "library",
+            "The reference's own kernels replayed as one CUDA graph per input signature: the host "
+            "launches a whole forward at once, which saves the time a launch-bound module's GPU "
+            "sits idle between small kernels (recurrent steps, mobile CNNs, small transformers).",
+            module=f"{_PKG}.graphs",
+        ),
+        Strategy(
             "torch_compile",
             "compiler",
             "The task's own module through torch.compile (Inductor, mode='default', dynamic=False).",
