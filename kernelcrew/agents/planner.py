@@ -106,10 +106,11 @@ def _menu(state: CrewState) -> list[PlanStep]:
 #: The strategy that replays the reference's own kernels as CUDA graphs: it can only save the time
 #: the GPU sits idle between kernels, so it is offered where the baseline measured that idle time
 #: (a GPU) at :data:`GRAPH_IDLE_MIN` of eager's or more, and tried first from
-#: :data:`GRAPH_IDLE_FIRST` (a launch-bound module: nothing else saves as much).
-GRAPH_STRATEGY = "cuda_graph"
+#: :data:`GRAPH_IDLE_FIRST`. The measure understates what a graph saves: KernelBench's GRU with
+#: its hidden state read 19 % idle and its graph ran 5.4x faster than eager on an H100.
+GRAPH_STRATEGY = "cuda_graphs"
 GRAPH_IDLE_MIN = 0.05
-GRAPH_IDLE_FIRST = 0.25
+GRAPH_IDLE_FIRST = 0.1
 
 
 def idle_fraction(state: CrewState) -> float | None:

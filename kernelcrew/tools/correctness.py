@@ -46,7 +46,6 @@ from kernelcrew.records import Verdict
 from kernelcrew.task import TaskError, check_source
 from kernelcrew.tools import sandbox
 from kernelcrew.tools.anticheat import static_check
-from kernelcrew.tools.harness import RECHECK_ELEMENTS
 from kernelcrew.tools.packaging import unpack
 
 MATMUL_OPS = frozenset(
@@ -810,6 +809,12 @@ def _fingerprint(outs: list[Any]) -> tuple[str, ...]:
         digest = hashlib.sha1(sample.view(torch.uint8).numpy().tobytes()).hexdigest()
         parts.append(f"{tuple(t.shape)}:{t.dtype}:{total!r}:{digest}")
     return tuple(parts)
+
+
+#: Elements kept of each output of a re-check call (repeat, grad and inference modes, the cache
+#: sequence), at most, at positions the child draws after the call returned
+#: (:func:`harness.sample_outputs`): the input sets' own calls are kept, and judged, in full.
+RECHECK_ELEMENTS = 1 << 16
 
 
 def _picked(key: str, pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[str, Any] | None]:

@@ -62,10 +62,6 @@ HELD_OUTPUTS = 6
 #: outputs are held while they fit. Eight sets of 6.4 GB and the outputs held with them ran an H100
 #: out of memory.
 CHECK_MEMORY_SHARE = 0.4
-#: Elements kept of each output of a re-check call (repeat, grad and inference modes, the cache
-#: sequence), at most, at positions drawn after the call returned: the input sets' own calls are
-#: kept, and judged, in full.
-RECHECK_ELEMENTS = 1 << 16
 
 
 class Laps:
@@ -1012,13 +1008,15 @@ def _check_memory(device: str) -> int | None:
 
 
 def sample_outputs(tensors: list[Any]) -> tuple[list[Any], list[Any]]:
-    """What is kept of a re-check call's outputs: a tensor of at most :data:`RECHECK_ELEMENTS`
+    """What is kept of a re-check call's outputs: a tensor of at most ``RECHECK_ELEMENTS``
     elements in full, a larger one at that many positions drawn from ``os.urandom`` after the call
     returned (the state checks make sure the candidate has not replaced it), with the positions and
     the shape. A re-check catches a replayed, cached or mode-dependent answer: wrong nearly
     everywhere, so a random sample finds it as surely as the whole output, and a large task's
     re-checks no longer cost GBs of copies, files and judging each."""
     import torch
+
+    from kernelcrew.tools.correctness import RECHECK_ELEMENTS
 
     kept, picks = [], []
     for t in tensors:

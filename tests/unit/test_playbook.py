@@ -157,7 +157,7 @@ def test_untraceable_forward_is_reported(analyses):
     assert "could not be traced" in explain_pointwise(flow)
     # torch.compile still applies: it falls back to graph breaks where fx cannot trace.
     assert [s.name for s, _ in applicable(flow)] == [
-        "cuda_graph",
+        "cuda_graphs",
         "torch_compile",
         "torch_compile_max_autotune",
     ]
@@ -173,7 +173,7 @@ def test_shape_arithmetic_is_traced_at_the_examples_shapes_only():
     assert causal.op_sequence[-4:] == ["bitwise_not", "masked_fill", "softmax", "matmul"]
     assert [s.name for s, _ in applicable(causal)] == [
         "sdpa_attention",
-        "cuda_graph",
+        "cuda_graphs",
         "torch_compile",
         "torch_compile_max_autotune",
     ]
@@ -616,12 +616,12 @@ def test_menu(analyses):
         assert callable(module.match) and callable(module.generate) and callable(module.tuning_space)
 
     names = [s.name for s, _ in applicable(analyses["pointwise"])]
-    assert names == ["fused_pointwise", "cuda_graph", "torch_compile", "torch_compile_max_autotune"]
+    assert names == ["fused_pointwise", "cuda_graphs", "torch_compile", "torch_compile_max_autotune"]
     reasons = dict((s.name, r) for s, r in applicable(analyses["pointwise"]))
     assert "mul, add, tanh" in reasons["fused_pointwise"]
     assert [s.name for s, _ in applicable(analyses["softmax"])] == [
         "row_reduction",
-        "cuda_graph",
+        "cuda_graphs",
         "torch_compile",
         "torch_compile_max_autotune",
     ]

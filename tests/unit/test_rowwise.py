@@ -1016,7 +1016,7 @@ def test_menu_offers_row_reduction_first():
     assert STRATEGIES["row_reduction"].source_kind == "kernel"
     a = local_analysis((FIXTURES / "tasks" / "softmax.py").read_text())
     names = [s.name for s, _ in applicable(a)]
-    assert names == ["row_reduction", "cuda_graph", "torch_compile", "torch_compile_max_autotune"]
+    assert names == ["row_reduction", "cuda_graphs", "torch_compile", "torch_compile_max_autotune"]
     assert "_kernel[grid](" in playbook.generate("row_reduction", a.task_source, a, {})
     assert playbook.tuning_space("row_reduction", a, "sm_90")[0]["MAX_SINGLE"] >= 4096
     pointwise = local_analysis((FIXTURES / "tasks" / "pointwise.py").read_text())

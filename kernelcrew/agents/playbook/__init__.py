@@ -108,7 +108,7 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.epilogue",
         ),
         Strategy(
-            "cuda_graph",
+            "cuda_graphs",
             "library",
             "The reference's own kernels replayed as one CUDA graph per input signature: the host "
             "launches a whole forward at once, which saves the time a launch-bound module's GPU "
