@@ -501,25 +501,39 @@ def _scaled_variant(inputs: list[Any], factor: float, device: str = "cpu") -> li
     return out if changed else None
 
 
-def _run_golden(model64: Any, model_fp32: Any, inputs: list[Any], device: str) -> tuple[list[Any], str]:
+def _run_golden(
+    model64: Any, model_fp32: Any, inputs: list[Any], device: str, to_host: bool = True
+) -> tuple[list[Any], str]:
+    """The reference's outputs in float64 (on the host, or where computed when not ``to_host``) and
+    how they were computed: in float32 under strict precision where an op has no float64 kernel, or
+    where float64 does not fit the device's memory (a 6.4 GB float32 input is 12.8 GB in float64,
+    and the timing's reference process holds its sets besides); the verdict flags either."""
     import torch
 
+    fallback = None
     with torch.no_grad():
         try:
             out = model64(*to_float64(to_device(inputs, device)))
             mode = "float64"
+        except torch.OutOfMemoryError:
+            fallback = "float32 (float64 did not fit the device's memory)"
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             if "Double" not in str(exc) and "double" not in str(exc) and "float64" not in str(exc):
                 raise
+            fallback = "float32 (an op has no float64 kernel)"
+        if fallback is not None:  # out of the except block: its traceback held the float64 tensors
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
             policy = "relaxed" if torch.backends.cuda.matmul.allow_tf32 else "strict"
             apply_precision("strict")  # the golden never uses TF32, whatever the job's policy
             try:
                 out = model_fp32(*to_device(inputs, device))
             finally:
                 apply_precision(policy)
-            mode = "float32 (an op has no float64 kernel)"
+            mode = fallback
     synchronize(device)
-    return [host_copy(t) for t in flatten_outputs(out)], mode
+    outs = flatten_outputs(out)
+    return ([host_copy(t) for t in outs] if to_host else outs), mode
 
 
 def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -1214,8 +1228,9 @@ def _judged_goldens(
         inputs = dev_sets[set_index] if seed is None else timing.fresh_inputs(dev_sets[set_index], seed)
         with torch.no_grad():
             native = timing.pick_elements(flatten_outputs(model(*inputs)), pick)
-        golden, mode = _run_golden(model64, model, inputs, device)
+        golden, mode = _run_golden(model64, model, inputs, device, to_host=False)
         judged[key] = {"golden": timing.pick_elements(golden, pick), "native": native, "mode": mode}
+        del golden
     save_tensors(judged, out_dir / "judged.pt")
 
 

@@ -636,3 +636,23 @@ def test_input_sets_that_do_not_fit_the_device_move_one_call_at_a_time(
             )
     finally:
         golden.cleanup()
+
+
+def test_a_golden_that_does_not_fit_in_float64_is_computed_in_float32_and_says_so():
+    """A 6.4 GB float32 input is 12.8 GB in float64: where that does not fit the device (the timing's
+    reference process holds its sets besides), the golden falls back to the reference in float32
+    under strict precision, named in its mode, rather than failing the timing."""
+    from kernelcrew.tools.harness import _run_golden
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            if x.dtype == torch.float64:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB.")
+            return torch.log_softmax(x, dim=-1)
+
+    x = torch.randn(4, 9)
+    outs, mode = _run_golden(Model(), Model(), [x], "cpu")
+    assert mode == "float32 (float64 did not fit the device's memory)"
+    torch.testing.assert_close(outs[0], torch.log_softmax(x, dim=-1))
+    outs, mode = _run_golden(torch.nn.Softmax(dim=-1), Model(), [x], "cpu", to_host=False)
+    assert mode == "float64" and outs[0].dtype == torch.float64
