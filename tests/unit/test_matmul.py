@@ -192,6 +192,7 @@ def test_rank_and_tuning_follow_the_measurements():
     )
     assert [s.name for s, _ in applicable(local_analysis(relu))] == [
         "cublaslt_epilogue",
+        "cuda_graphs",
         "torch_compile",
         "torch_compile_max_autotune",
         "matmul_epilogue",
