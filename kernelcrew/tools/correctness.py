@@ -817,12 +817,16 @@ def _fingerprint(outs: list[Any]) -> tuple[str, ...]:
 RECHECK_ELEMENTS = 1 << 16
 
 
-def _picked(key: str, pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[str, Any] | None]:
+def _picked(pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[str, Any] | None]:
     """The golden and native elements at the positions a re-check call's output was kept at (the
     child drew them after the call: :func:`harness.sample_outputs`), the positions, and a failure
-    when the kept shape is not the reference's or the positions are not positions of it."""
+    when the kept shape is not the reference's or the record is not positions of it (the child's
+    file: anything may be in it)."""
     import torch
 
+    malformed = {"ok": False, "stage": "output_type", "message": "malformed sample positions"}
+    if not isinstance(pick, dict) or not isinstance(pick.get("shape"), list):
+        return g, n, None, malformed
     shape = tuple(pick["shape"])
     if shape != tuple(n.shape):
         failure = {
@@ -831,7 +835,7 @@ def _picked(key: str, pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[st
             "message": f"shape {shape} but the reference gives {tuple(n.shape)}",
         }
         return g, n, None, failure
-    positions = pick["positions"]
+    positions = pick.get("positions")
     if (
         not isinstance(positions, torch.Tensor)
         or positions.dtype != torch.int64
@@ -840,7 +844,7 @@ def _picked(key: str, pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[st
         or int(positions.min()) < 0
         or int(positions.max()) >= n.numel()
     ):
-        return g, n, None, {"ok": False, "stage": "output_type", "message": "malformed sample positions"}
+        return g, n, None, malformed
     return g.reshape(-1)[positions], n.reshape(-1)[positions], positions, None
 
 
@@ -888,7 +892,15 @@ def _judge(
     golden = torch.load(golden_dir / "golden.pt", weights_only=True, mmap=True)
     native = torch.load(golden_dir / "native.pt", weights_only=True, mmap=True)
     picks_path = outputs_path.with_name("picks.pt")
-    picks = torch.load(picks_path, weights_only=True) if picks_path.exists() else {}
+    try:
+        picks = torch.load(picks_path, weights_only=True) if picks_path.exists() else {}
+    except Exception:  # the child wrote it: anything may be in it
+        picks = None
+    if not isinstance(picks, dict):
+        verdict.failures.append(
+            Failure("output_type", "the re-check calls' sample positions could not be read").to_dict()
+        )
+        return
     cls = op_class(meta["reference_ops"])
     sets = {r["index"]: r for r in meta["sets"]}
 
@@ -899,14 +911,15 @@ def _judge(
         if len(outs) != len(g_list):
             return fingerprint, None
         results = []
-        kept = picks.get(key) or [None] * len(outs)
+        kept = picks.get(key) if not key.startswith("set:") else None  # input sets: always in full
+        kept = kept if isinstance(kept, list) else [None] * len(outs)
         if len(kept) != len(outs):
             return fingerprint, None
         for o, (c, g, n) in enumerate(zip(outs, g_list, n_list, strict=True)):
             dtype = str(n.dtype).replace("torch.", "")
             positions = None
             if kept[o] is not None:
-                g, n, positions, failure = _picked(key, kept[o], g, n)
+                g, n, positions, failure = _picked(kept[o], g, n)
                 if failure is not None:
                     results.append(failure)
                     continue
