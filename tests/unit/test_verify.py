@@ -448,10 +448,10 @@ class ModelNew(nn.Module):
 """
 
 
-def test_a_large_recheck_output_is_judged_on_secret_positions_and_its_error_located():
-    """A re-check call's output (here grad mode) of more than RECHECK_ELEMENTS is judged on random
-    positions drawn after the candidate's process ended; a wrong answer is still found, and the
-    failure names a position of the whole output."""
+def test_a_large_recheck_output_is_judged_on_random_positions_and_its_error_located():
+    """A re-check call's output (here grad mode) of more than RECHECK_ELEMENTS is kept and judged at
+    random positions the child drew after the call returned; a wrong answer is still found, and
+    the failure names a position of the whole output."""
     verdict = verify(_WIDE_TASK, _WRONG_WITH_GRAD, device="cpu", settings=Settings(sandbox_timeout_s=120))
     assert not verdict.passed
     failure = verdict.failures[0]
