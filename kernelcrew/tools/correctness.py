@@ -897,9 +897,9 @@ def _judge(
     except Exception:  # the child wrote it: anything may be in it
         picks = None
     if not isinstance(picks, dict):
-        verdict.failures.append(
-            Failure("output_type", "the re-check calls' sample positions could not be read").to_dict()
-        )
+        failure = Failure("output_type", "the re-check calls' sample positions could not be read")
+        verdict.failures = [failure.to_dict()]
+        verdict.stage, verdict.message = failure.stage, failure.message
         return
     cls = op_class(meta["reference_ops"])
     sets = {r["index"]: r for r in meta["sets"]}

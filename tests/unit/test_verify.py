@@ -634,6 +634,24 @@ def test_input_sets_that_do_not_fit_the_device_move_one_call_at_a_time(
                 "grad" in verdict.failures[0]["message"]
                 and "drawn at random" in verdict.failures[0]["message"]
             )
+            return
+        # The child wrote the positions: what it may have put there fails the candidate, never the judge.
+        for tampered, message in (
+            (
+                {**picks, "repeat:0": [{"shape": [300, 1000], "positions": torch.tensor([10**9])}]},
+                "malformed",
+            ),
+            ({**picks, "repeat:0": [{"positions": "everywhere"}]}, "malformed"),
+            ({**picks, "set:0": [{"shape": [300, 1000], "positions": torch.tensor([0])}]}, None),
+            (["not", "a", "dict"], "could not be read"),
+        ):
+            torch.save(tampered, tmp_path / "child" / "picks.pt")
+            verdict = Verdict(verdict="fail", stage="", message="", seed=5, device="cpu", precision="strict")
+            correctness._judge(verdict, golden.meta, tmp_path / "child" / "outputs.pt", golden.path, False)
+            if message is None:  # an input set's output is judged in full whatever the file says
+                assert not verdict.failures and verdict.verdict == "pass", verdict.failures
+            else:
+                assert not verdict.passed and message in verdict.message, verdict
     finally:
         golden.cleanup()
 
