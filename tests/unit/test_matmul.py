@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kernelcrew.agents import playbook
-from kernelcrew.agents.playbook import applicable, generate
+from kernelcrew.agents.playbook import applicable, generate, matmul
 from kernelcrew.agents.playbook.matmul import COL, FULL, ROW, SCALAR, match, operand_mode, tuning_space
 from kernelcrew.config import Settings
 from kernelcrew.tools.anticheat import static_check
@@ -83,6 +83,15 @@ TASKS = {
         "[[torch.randn(24, 5).t(), torch.rand(5, 1)], [torch.randn(1, 24), torch.rand(1, 1)]]",
         args="x, s",
     ),
+    # A @ B of two arguments (KernelBench's level-1 products): the right-hand side is loaded like
+    # a weight, strided views included
+    "two_arguments_fp32": task(
+        "pass",
+        "return torch.relu(torch.matmul(x, w)) * 0.5",
+        "torch.randn(19, 24), torch.randn(24, 30)",
+        "[[torch.randn(5, 24), torch.randn(30, 24).t()], [torch.randn(2, 3, 24), torch.randn(24, 30)]]",
+        args="x, w",
+    ),
 }
 
 
@@ -146,6 +155,7 @@ def test_candidate_passes_the_verifier_as_an_own_kernel(name):
             "x",
             "the other x @ W",
         ),
+        ("pass", "return x @ x", "torch.randn(8, 8)", "x", "or an argument of forward"),
     ],
     ids=[
         "input-computed",
@@ -157,12 +167,24 @@ def test_candidate_passes_the_verifier_as_an_own_kernel(name):
         "broadcast-residual",
         "float64",
         "linear-and-matmul",
+        "input-times-itself",
     ],
 )
 def test_what_is_not_a_matmul_epilogue_says_why(init, forward, inputs, args, reason):
     analysis = local_analysis(task(init, forward, inputs, f"[[{inputs}]]", args=args))
     plan, why = match(analysis)
     assert plan is None and reason in why, why
+
+
+def test_a_product_with_too_few_output_tiles_is_the_librarys(monkeypatch):
+    """A matrix-vector product or a long-K product with a small output leaves most SMs idle in a
+    kernel with no split over K; the rule is by size (monkeypatched here: CPU-sized shapes)."""
+    monkeypatch.setattr(matmul, "MIN_SPLIT_FLOP", 0)
+    source = task(
+        "pass", "return torch.matmul(x, v)", "torch.randn(64, 16), torch.randn(16, 1)", "[]", args="x, v"
+    )
+    plan, why = match(local_analysis(source))
+    assert plan is None and "fewer than 66 tiles" in why, why
 
 
 def test_operand_modes():

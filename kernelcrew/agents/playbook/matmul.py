@@ -6,7 +6,7 @@ more passes. :func:`match` takes a forward whose one output is an elementwise fu
 :mod:`.pointwise`: any chain of its ops, with scalars, bias-like ``(N,)`` vectors, per-row
 ``(..., 1)`` columns and full-size tensors such as a residual) of one or two linear layers of the
 same input: ``nn.Linear``/``F.linear`` of the module's own weight (with or without its bias), or
-``x @ W`` of a 2-D parameter. The kernel computes each tile of the output in fp32 accumulators
+``x @ W`` of a 2-D parameter or of a 2-D argument of forward (``torch.matmul(A, B)``). The kernel computes each tile of the output in fp32 accumulators
 (two for a gated pair, which then share each tile of ``x`` they load), applies the epilogue in
 registers and stores the output once.
 
@@ -50,6 +50,10 @@ DTYPES = frozenset({"float16", "bfloat16", "float32"})
 MAX_LINEARS = 2
 LINEAR = "linear"  # the Operand source of an accumulator: computed by the kernel, never loaded
 MATMUL_OPS = frozenset({"matmul", "mm"})
+#: The smallest tile side of the tuning space, and the fewest such output tiles worth a kernel
+#: with no split over K (half an H100's 132 SMs) when the product has ``MIN_SPLIT_FLOP`` or more:
+#: below that, a few idle SMs cost microseconds.
+MIN_TILE, MIN_TILES, MIN_SPLIT_FLOP = 64, 66, 2**28
 
 # How an epilogue operand is indexed in a [BLOCK_M, BLOCK_N] tile of the [M, N] output.
 FULL, COL, ROW, SCALAR = 0, 1, 2, 3
@@ -59,12 +63,14 @@ PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 @dataclass(frozen=True)
 class Layer:
-    """One linear layer: its weight (state-dict name), whether it is stored ``[K, N]`` (``x @ W``)
-    rather than ``[N, K]`` (``F.linear``), and the operand that stands for its accumulator."""
+    """One linear layer: its weight (state-dict name, or the forward argument's name when
+    ``source`` is ``input``), whether it is stored ``[K, N]`` (``x @ W``) rather than ``[N, K]``
+    (``F.linear``), and the operand that stands for its accumulator."""
 
     weight: str
     transposed: bool
     operand: int
+    source: str = "parameter"
 
 
 @dataclass
@@ -113,6 +119,7 @@ class _MatmulLowering(_Lowering):
         super().__init__(analysis)
         self.layers: list[Layer] = []
         self.inputs: set[str] = set()
+        self.inputs_as_weights: set[str] = set()
         self.params: dict[str, tuple[str, Any]] = {}
 
     def visit(self, node: dict[str, Any]) -> None:
@@ -127,7 +134,7 @@ class _MatmulLowering(_Lowering):
             args = node.get("args") or []
             if len(args) != 2 or node.get("kwargs"):
                 raise Unsupported(f"{op} ({node['name']}) with arguments other than two tensors")
-            self.layer(node, args[0], self.as_param(args[1]), None, transposed=True)
+            self.layer(node, args[0], self.as_param(args[1]), None, transposed=True, any_weight=True)
             return
         super().visit(node)
 
@@ -145,18 +152,39 @@ class _MatmulLowering(_Lowering):
             raise Unsupported(f"{node['name']}: {path!r} is not a parameter of the module")
         return entry
 
-    def layer(self, node: dict[str, Any], x: Any, weight: Any, bias: Any, transposed: bool) -> None:
+    def weight_entry(self, layer: Layer, node: dict[str, Any]) -> dict[str, Any]:
+        """Shape and dtype of a layer's weight: its state-dict entry or its forward argument."""
+        if layer.source == "input":
+            return self.a.node(layer.weight)
+        return self.param(layer.weight, node)
+
+    def layer(
+        self, node: dict[str, Any], x: Any, weight: Any, bias: Any, transposed: bool, any_weight: bool = False
+    ) -> None:
+        """One layer; ``any_weight``: a forward argument may be the weight (``A @ B``)."""
         name = node["name"]
         if not (isinstance(x, dict) and set(x) == {"ref"}) or self.a.node(x["ref"])["kind"] != "placeholder":
             raise Unsupported(f"{name}: the layer's input is not an argument of forward")
+        source = "parameter"
+        if (
+            any_weight
+            and isinstance(weight, dict)
+            and set(weight) == {"ref"}
+            and self.a.node(weight["ref"])["kind"] == "placeholder"
+            and weight["ref"] != x["ref"]
+        ):
+            weight, source = {"param": weight["ref"]}, "input"
+            self.inputs_as_weights.add(weight["param"])
         if not (isinstance(weight, dict) and set(weight) == {"param"}):
-            raise Unsupported(f"{name}: the weight is not a parameter of the module")
+            raise Unsupported(
+                f"{name}: the weight is not a parameter of the module or an argument of forward"
+            )
         if bias is not None and not (isinstance(bias, dict) and set(bias) == {"param"}):
             raise Unsupported(f"{name}: the bias is not a parameter of the module")
         if len(self.layers) == MAX_LINEARS:
             raise Unsupported(f"more than {MAX_LINEARS} linear layers")
-        entry = self.param(weight["param"], node)
-        if len(entry["shape"]) != 2:
+        entry = self.weight_entry(Layer(weight["param"], transposed, -1, source), node)
+        if len(entry.get("shape") or ()) != 2:
             raise Unsupported(f"{name}: the weight has shape {entry['shape']}, not 2-D")
         self.inputs.add(x["ref"])
         self.operands.append(
@@ -164,7 +192,7 @@ class _MatmulLowering(_Lowering):
         )
         value = ("in", len(self.operands) - 1)
         self.kinds[_key(value)] = "f"
-        self.layers.append(Layer(weight["param"], transposed, value[1]))
+        self.layers.append(Layer(weight["param"], transposed, value[1], source))
         self.ops.append(node["op"])
         if bias is not None:
             path = bias["param"]
@@ -189,6 +217,8 @@ def _match(a: TaskAnalysis) -> MatmulPlan:
         raise Unsupported("the forward has no linear layer or matmul by a parameter")
     if len(lowering.inputs) != 1:
         raise Unsupported("the linear layers take different inputs")
+    if lowering.inputs & lowering.inputs_as_weights:
+        raise Unsupported("an argument of forward is both a layer's input and a weight")
     if len({layer.transposed for layer in layers}) != 1:  # the kernel walks both weights alike
         raise Unsupported("one layer is F.linear (weight [N, K]), the other x @ W (weight [K, N])")
     x = a.node(next(iter(lowering.inputs)))
@@ -197,7 +227,7 @@ def _match(a: TaskAnalysis) -> MatmulPlan:
         raise Unsupported(f"the layers' input is {dtype} of shape {x_shape} (fp16, bf16 or fp32 tensors)")
     shapes = set()
     for layer in layers:
-        entry = lowering.param(layer.weight, x)
+        entry = lowering.weight_entry(layer, x)
         if entry["dtype"] != dtype:
             raise Unsupported(f"weight {layer.weight!r} is {entry['dtype']}, the input {dtype}")
         k, n = entry["shape"] if layer.transposed else entry["shape"][::-1]
@@ -208,6 +238,14 @@ def _match(a: TaskAnalysis) -> MatmulPlan:
     if k != x_shape[-1]:
         raise Unsupported(f"the input's last dim is {x_shape[-1]}, the weights take {k}")
     out_shape = (*x_shape[:-1], n)
+    rows = math.prod(x_shape[:-1])
+    few_tiles = math.ceil(rows / MIN_TILE) * math.ceil(n / MIN_TILE) < MIN_TILES
+    if few_tiles and 2 * rows * n * k >= MIN_SPLIT_FLOP:
+        raise Unsupported(
+            f"a {rows} x {n} output has fewer than {MIN_TILES} tiles of {MIN_TILE} x {MIN_TILE}: the "
+            "kernel, without a split over K, would leave most of the GPU idle (a matrix-vector "
+            "product or a long-K reduction is the library's)"
+        )
     if tuple(out.get("shape") or ()) != out_shape or out.get("dtype") not in DTYPES:
         raise Unsupported(
             f"the output ({out.get('dtype')}, {out.get('shape')}) is not elementwise over the layers' "
@@ -225,7 +263,7 @@ def _match(a: TaskAnalysis) -> MatmulPlan:
         out_shape=out_shape,
         ops=lowering.ops,
     )
-    plan = MatmulPlan(x["target"], layers, epilogue, k, n, math.prod(x_shape[:-1]), dtype)
+    plan = MatmulPlan(x["target"], layers, epilogue, k, n, rows, dtype)
     for i in plan.loaded:
         op = epilogue.operands[i]
         if op.dtype == "float64":
@@ -433,7 +471,12 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params:
     operand_desc = ", ".join(f"{ep.operands[i].name} ({ep.operands[i].source})" for i in loaded) or "none"
     call_args = ", ".join(
         [plan.input]
-        + [f"self.get_parameter({layer.weight!r})" for layer in plan.layers]
+        + [
+            analysis.node(layer.weight)["target"]
+            if layer.source == "input"
+            else f"self.get_parameter({layer.weight!r})"
+            for layer in plan.layers
+        ]
         + [_operand_expr(ep.operands[i]) for i in loaded]
     )
     forward_sig = ", ".join(["self", *(_forward_param(arg) for arg in ep.forward_args)])
