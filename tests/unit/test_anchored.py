@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from kernelcrew.agents import playbook
-from kernelcrew.agents.playbook import anchored, applicable, generate
+from kernelcrew.agents.playbook import anchored, applicable, conv, generate
 from kernelcrew.config import Settings
 from kernelcrew.tools.anticheat import static_check
 from kernelcrew.tools.correctness import make_golden, verify
@@ -83,7 +83,7 @@ TASKS = {
             "torch.randn(5, 16)",
             "[[torch.randn(3, 16)], [torch.randn(2, 3, 16)]]",
         ),
-        ["rows"],
+        ["matmul", "rows"],
         [],
     ),
     "conv_spatial_mean_sigmoid": (
@@ -111,7 +111,7 @@ TASKS = {
             "torch.randn(6, 16)",
             "[[torch.randn(1, 16)], [torch.randn(9, 16)]]",
         ),
-        ["rows"],
+        ["matmul", "rows"],
         [],
     ),
     # the second region reads the first one's value directly (the anchor between them, a tensor
@@ -164,8 +164,70 @@ TASKS = {
             "torch.randn(2, 5, 8)",
             "[[torch.randn(3, 4, 8)]]",
         ),
-        ["pointwise", "pointwise", "rows"],
+        # each float32 linear layer is an own GEMM head; no elementwise op follows it directly
+        ["pointwise", "matmul", "pointwise", "matmul", "rows"],
         ["softmax"],
+    ),
+    "gemm_swish_groupnorm": (
+        task(
+            """
+            self.fc = nn.Linear(8, 16)
+            self.bias = nn.Parameter(torch.randn(16))
+            self.norm = nn.GroupNorm(4, 16)
+            """,
+            """
+            x = self.fc(x)
+            x = torch.sigmoid(x) * x
+            x = x + self.bias
+            return self.norm(x)
+            """,
+            "torch.randn(6, 8)",
+            "[[torch.randn(9, 8)]]",
+        ),
+        # the linear layer and its elementwise tail are one own GEMM with an epilogue
+        ["matmul", "rows"],
+        [],
+    ),
+    # a grouped, strided convolution (the own kernel) and a transposed one (cuDNN's) around a
+    # pointwise region
+    "own_conv_and_transposed": (
+        task(
+            """
+            self.conv = nn.Conv2d(4, 32, 3, stride=2, padding=1, groups=2)
+            self.up = nn.ConvTranspose2d(32, 4, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=2)
+            """,
+            """
+            x = torch.relu(self.conv(x)) * 0.5
+            return self.up(x) - 1.0
+            """,
+            "torch.randn(2, 4, 9, 9)",
+            "[[torch.randn(1, 4, 6, 7)]]",
+        ),
+        ["pointwise", "pointwise"],
+        [],
+    ),
+    "matmul_of_two_arguments": (
+        textwrap.dedent(
+            """
+            import torch
+            import torch.nn as nn
+
+
+            class Model(nn.Module):
+                def forward(self, a, b):
+                    return torch.logsumexp(torch.matmul(a, b) * 0.5, dim=1)
+
+
+            def get_inputs():
+                return [torch.randn(5, 8), torch.randn(8, 12)]
+
+
+            def get_init_inputs():
+                return []
+            """
+        ),
+        ["matmul", "rows"],
+        [],
     ),
 }
 
@@ -208,10 +270,74 @@ def test_whole_module_strategies_come_first():
 
 
 def test_nothing_to_lower_says_why():
-    conv_only = task("self.conv = nn.Conv2d(3, 4, 3)", "return self.conv(x)", "torch.randn(1, 3, 6, 6)", "[]")
-    plan, reason = anchored.match(local_analysis(conv_only))
+    pool_only = task("self.pool = nn.MaxPool2d(2)", "return self.pool(x)", "torch.randn(1, 3, 6, 6)", "[]")
+    plan, reason = anchored.match(local_analysis(pool_only))
     assert plan is None
     assert "no region" in reason
+
+
+CONVS_ONLY = task(
+    """
+    self.c1 = nn.Conv1d(4, 32, 3, padding=2, padding_mode="reflect", groups=2)
+    self.c3 = nn.Conv3d(1, 16, (2, 1, 3), stride=(1, 1, 2), dilation=(1, 1, 2))
+    self.t1 = nn.ConvTranspose1d(32, 4, 4, stride=3, groups=2)
+    """,
+    """
+    y = self.t1(self.c1(x))
+    return self.c3(y.unsqueeze(1).unsqueeze(3))
+    """,
+    "torch.randn(3, 4, 10)",
+    "[[torch.randn(2, 4, 7)]]",
+)
+
+
+def test_float32_convolutions_alone_run_as_own_kernels_and_verify():
+    """Nothing to fuse, but float32 convolutions (1-D with reflect padding and groups, 3-D): the
+    candidate is the graph with each one as the own convolution kernel; the transposed one stays
+    cuDNN's."""
+    analysis = local_analysis(CONVS_ONLY)
+    plan, reason = anchored.match(analysis)
+    assert plan is not None, reason
+    assert plan.regions == [] and plan.convs == ["c1", "c3"]
+    assert "2 float32 convolution(s) as own TF32x3 kernels" in reason
+    h100 = playbook.tuning_space("anchored_fusion", analysis, "sm_90")
+    assert [c["conv"] for c in h100] == conv.tuning_space("sm_90")  # no "library" config: nothing else
+    params = playbook.tuning_space("anchored_fusion", analysis, "cpu")[0]
+    candidate = generate("anchored_fusion", CONVS_ONLY, analysis, params)
+    assert static_check(candidate) == []
+    assert "CONVS = {\n    'c1': (0, 1),\n    'c3': (2, 3),\n}" in candidate
+    golden = make_golden(CONVS_ONLY, device="cpu", precision="strict", settings=SETTINGS)
+    try:
+        verdict = verify(CONVS_ONLY, candidate, golden=golden, settings=SETTINGS)
+        assert verdict.verdict == "pass", (verdict.stage, verdict.message)
+        timed = benchmark(
+            CONVS_ONLY, {"own": (candidate, "candidate.py")}, golden=golden, quick=True, settings=SETTINGS
+        )
+    finally:
+        golden.cleanup()
+    assert timed.failure is None, timed.failure
+    assert timed.kinds["own"]["kind"] in ("kernel", "hybrid"), timed.kinds["own"]["evidence"]
+    library = generate("anchored_fusion", CONVS_ONLY, analysis, {**params, "conv": "library"})
+    assert "CONVS = {}" in library
+    with pytest.raises(ValueError, match="conv must be"):
+        generate("anchored_fusion", CONVS_ONLY, analysis, {"conv": "tf32"})
+
+
+def test_half_precision_linear_layers_stay_library_anchors():
+    """cuBLAS beats the own GEMM in float16 (docs/benchmarks.md): only float32 layers are heads."""
+    source = task(
+        """
+        self.fc = nn.Linear(8, 16).half()
+        self.norm = nn.LayerNorm(16).half()
+        """,
+        "return self.norm(torch.relu(self.fc(x)))",
+        "torch.randn(6, 8, dtype=torch.float16)",
+        "[]",
+    )
+    plan, reason = anchored.match(local_analysis(source))
+    assert plan is not None, reason
+    assert "linear" in plan.anchors
+    assert "matmul" not in [r.generator for r in plan.regions]
 
 
 def test_a_mutated_value_read_later_is_not_fused():
@@ -240,7 +366,8 @@ def test_tuning_space_per_architecture():
     assert len(cpu) == 1
     assert len(h100) > 1
     for params in h100:
-        assert set(params) == {"pointwise", "rows"}
+        assert set(params) == {"pointwise", "rows", "matmul"}
+        assert params["matmul"]["BLOCK_M"] >= 64
         assert params["pointwise"]["BLOCK_SIZE"] >= 512
     assert len({repr(p) for p in h100}) == len(h100)
     with pytest.raises(ValueError, match="unknown"):

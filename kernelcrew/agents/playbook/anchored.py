@@ -10,6 +10,14 @@ them. :func:`match` walks the traced graph in order and splits it into
   :mod:`.rows` (reductions, softmax, norms, with their elementwise neighbours) lowers to one Triton
   kernel. Each run is cut greedily from its start into the longest pieces that lower, with one
   value used after the piece; an op that lowers in no piece stays a torch op (``left``).
+* *GEMM heads*: a float32 linear layer or matmul by a parameter (or by another argument) starts a
+  run of its own: :mod:`.matmul` lowers it with the longest elementwise piece after it into one
+  own Triton GEMM that applies that piece in its epilogue and multiplies in TF32x3 (float32
+  accuracy on the tensor cores, 1.7x cuBLAS's float32 GEMM on an H100: docs/benchmarks.md). A
+  head that does not lower (half-precision layers, where cuBLAS is faster; a GEMV) stays an anchor.
+* *float32 convolutions* (``nn.Conv1d/2d/3d`` with 16 or more output channels per group) run as
+  :mod:`.conv`'s own implicit-GEMM kernel in TF32x3 (parameter ``conv``; ``"library"`` keeps
+  cuDNN's): each such module call of the traced graph calls the kernel instead.
 
 The generators are reused on a *sub-analysis*: a copy of the piece's nodes whose outside values
 are placeholders (weights stay the module's own). A reduction over other dims than the last
@@ -30,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernelcrew.agents.playbook import pointwise, rows
+from kernelcrew.agents.playbook import conv, matmul, pointwise, rows
 from kernelcrew.agents.playbook.analysis import TaskAnalysis, refs_of
 from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, checked_copy, reference_source
 from kernelcrew.agents.playbook.rows.lowering import ROW_OPS
@@ -54,7 +62,9 @@ VIEW_OPS = frozenset(
         *("expand", "size", "dim", "numel", "getattr", "getitem", "contiguous", "chunk", "split"),
     }
 )
-PARAM_KEYS = ("pointwise", "rows")
+#: Ops that start a GEMM head (float32 only: see the module docstring).
+GEMM_OPS = frozenset({"linear"}) | matmul.MATMUL_OPS
+PARAM_KEYS = ("pointwise", "rows", "matmul", "conv")
 ROW_PARAM_KEYS = ("MAX_SINGLE", "CHUNK", "TILE", "num_warps")
 
 
@@ -90,6 +100,8 @@ class AnchoredPlan:
     left: list[str]
     anchors: list[str]
     traced_at_shapes: bool = False
+    #: Module paths of the float32 convolutions the own convolution kernel may run.
+    convs: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,9 +118,10 @@ def match(analysis: TaskAnalysis) -> tuple[AnchoredPlan | None, str]:
     ops = "; ".join(f"{r.generator}: {', '.join(dict.fromkeys(r.ops))}" for r in plan.regions)
     anchors = ", ".join(dict.fromkeys(plan.anchors)) or "none"
     left = f"; left to torch: {', '.join(plan.left)}" if plan.left else ""
+    convs = f"; {len(plan.convs)} float32 convolution(s) as own TF32x3 kernels" if plan.convs else ""
     return plan, (
         f"library anchors ({anchors}) kept; {len(plan.regions)} region(s) between them fused into "
-        f"own kernels ({ops}){left}"
+        f"own kernels ({ops}){left}{convs}"
     )
 
 
@@ -126,8 +139,11 @@ def _match(a: TaskAnalysis) -> AnchoredPlan:
     if whole:
         raise Unsupported(f"a whole-module strategy applies ({whole}): it fuses more than parts can")
     plan = partition(a)
-    if not plan.regions:
-        raise Unsupported("no region between the anchors lowers to an own kernel")
+    if not plan.regions and not plan.convs:
+        raise Unsupported(
+            "no region between the anchors lowers to an own kernel, and no convolution is the own "
+            "convolution kernel's"
+        )
     if a.task_source:
         try:
             _check_forward(a.task_source)
@@ -159,6 +175,9 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
     for node in a.nodes:
         if node["kind"] in ("placeholder", "get_attr"):
             continue
+        if node["kind"] != "output" and _gemm_head(node):
+            runs.append([node])  # a run of its own, whose first node is the head
+            continue
         if node["kind"] != "output" and _fusible(node):
             runs[-1].append(node)
             if len(runs[-1]) >= MAX_RUN:
@@ -173,6 +192,22 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
     for run in runs:
         i = 0
         while i < len(run):
+            if i == 0 and _gemm_head(run[0]):
+                region = next(
+                    (
+                        r
+                        for j in range(len(run), 0, -1)
+                        if _closed(run[:j], users) and (r := _lower(a, run[:j]))
+                    ),
+                    None,
+                )
+                if region is None:
+                    anchors.append(run[0]["op"])
+                    i = 1
+                else:
+                    regions.append(region)
+                    i = len(region.nodes)
+                continue
             for j in range(len(run), i, -1):
                 region = _lower(a, run[i:j]) if _closed(run[i:j], users) else None
                 if region is not None:
@@ -182,7 +217,12 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
             else:
                 left.append(run[i]["name"])
                 i += 1
-    return AnchoredPlan(regions, left, anchors, traced_at_shapes=a.traced_at_shapes)
+    convs = list(dict.fromkeys(n["target"] for n in a.nodes if conv.eligible(a, n)[0]))
+    return AnchoredPlan(regions, left, anchors, traced_at_shapes=a.traced_at_shapes, convs=convs)
+
+
+def _gemm_head(node: dict[str, Any]) -> bool:
+    return node["kind"].startswith("call_") and node["op"] in GEMM_OPS and node.get("dtype") == "float32"
 
 
 def _fusible(node: dict[str, Any]) -> bool:
@@ -268,6 +308,26 @@ def sub_analysis(a: TaskAnalysis, piece: list[dict[str, Any]]) -> TaskAnalysis:
 def _lower(a: TaskAnalysis, piece: list[dict[str, Any]]) -> Region | None:
     """The region of ``piece`` when a generator lowers it, else None."""
     sub = sub_analysis(a, piece)
+    if _gemm_head(piece[0]):
+        plan, _ = matmul.match(sub)
+        if plan is None:
+            return None
+        args = [("node", plan.input)]
+        args += [("node" if layer.source == "input" else "parameter", layer.weight) for layer in plan.layers]
+        for i in plan.loaded:
+            operand = plan.epilogue.operands[i]
+            args.append(
+                ("node", operand.name) if operand.source == "input" else (operand.source, operand.name)
+            )
+        return Region(
+            nodes=tuple(n["name"] for n in piece),
+            out=piece[-1]["name"],
+            generator="matmul",
+            args=tuple(args),
+            preps=(None,) * len(args),
+            analysis=sub,
+            plan=plan,
+        )
     preps = _last_dim_reductions(sub)
     if any(n["op"] in REDUCING for n in piece):
         generator, (plan, _) = "rows", rows.match(sub)
@@ -376,10 +436,18 @@ def _last_dim_reductions(sub: TaskAnalysis) -> dict[str, Any]:
 
 
 def tuning_space(plan: AnchoredPlan, arch: str) -> list[dict[str, Any]]:
-    """Block sizes of the pointwise and row kernels worth timing on ``arch``, tried together:
-    configuration i takes each generator's i-th (its last when it has fewer)."""
+    """Block sizes of the pointwise, row and matmul kernels worth timing on ``arch``, tried
+    together: configuration i takes each generator's i-th (its last when it has fewer)."""
     pw = [r.plan for r in plan.regions if r.generator == "pointwise"]
     rw = [r.plan for r in plan.regions if r.generator == "rows"]
+    mm = [r.plan for r in plan.regions if r.generator == "matmul"]
+    cv_space = conv.tuning_space(pointwise.arch_class(arch)) if plan.convs else [{}]
+    # the largest product's tiles: it takes most of the time
+    mm_space = (
+        matmul.tuning_space(max(mm, key=lambda m: m.rows * m.out_features * m.in_features), arch)
+        if mm
+        else [{}]
+    )
     pw_space = pointwise.tuning_space(pw[0], arch) if pw else [dict(pointwise.DEFAULT_PARAMS)]
     if rw:
         longest = max(rw, key=rows.row_length)
@@ -387,21 +455,31 @@ def tuning_space(plan: AnchoredPlan, arch: str) -> list[dict[str, Any]]:
     else:
         rw_space = [{k: rows.DEFAULT_PARAMS[k] for k in ROW_PARAM_KEYS}]
     space: list[dict[str, Any]] = []
-    for i in range(max(len(pw_space), len(rw_space))):
-        config = {
+    for i in range(max(len(pw_space), len(rw_space), len(mm_space), len(cv_space))):
+        config: dict[str, Any] = {
             "pointwise": pw_space[min(i, len(pw_space) - 1)],
             "rows": rw_space[min(i, len(rw_space) - 1)],
         }
+        if mm:
+            config["matmul"] = mm_space[min(i, len(mm_space) - 1)]
+        if plan.convs:
+            config["conv"] = cv_space[min(i, len(cv_space) - 1)]
         if config not in space:
             space.append(config)
+    if plan.convs and plan.regions and arch != "cpu":
+        space.append({**space[0], "conv": "library"})  # the regions alone, cuDNN's convolutions
     return space
 
 
-def _check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _check_params(params: dict[str, Any]) -> dict[str, Any]:
     unknown = set(params) - set(PARAM_KEYS)
     if unknown:
-        raise ValueError(f"unknown parameter(s) {sorted(unknown)} (pointwise, rows)")
-    return {key: dict(params.get(key) or {}) for key in PARAM_KEYS}
+        raise ValueError(f"unknown parameter(s) {sorted(unknown)} ({', '.join(PARAM_KEYS)})")
+    tiles = params.get("conv", "library")
+    if tiles != "library" and not isinstance(tiles, dict):
+        raise ValueError(f"conv must be 'library' or the kernel's tile parameters, got {tiles!r}")
+    checked = conv.check_params(tiles) if isinstance(tiles, dict) else tiles
+    return {**{key: dict(params.get(key) or {}) for key in PARAM_KEYS if key != "conv"}, "conv": checked}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,14 +490,32 @@ def _check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, params: dict[str, Any]) -> str:
     """The candidate: the reference's own graph with each region replaced by its kernel's wrapper."""
     p = _check_params(params)
+    own_convs = p["conv"] != "library"
     reference = reference_source(task_source)
     signature, names = _check_forward(task_source)
     sections, table = [], []
     weights = list(dict.fromkeys(arg for r in plan.regions for arg in r.args if arg[0] != "node"))
+    convs = {}
+    for target in plan.convs if own_convs else []:
+        node = next(n for n in analysis.nodes if n["kind"] == "call_module" and n["target"] == target)
+        indices = []
+        for key in ("weight", "bias"):
+            ref = node["kwargs"].get(key)
+            if ref is None:
+                indices.append(None)
+                continue
+            entry = ("parameter", ref["param"])
+            if entry not in weights:
+                weights.append(entry)
+            indices.append(weights.index(entry))
+        convs[target] = tuple(indices)
     for i, region in enumerate(plan.regions):
         if region.generator == "pointwise":
             source = pointwise.generate_pointwise(region.analysis, region.plan, p["pointwise"])
             entry = "fused_pointwise"
+        elif region.generator == "matmul":
+            source = matmul.generate("", region.analysis, region.plan, p["matmul"])
+            entry = "matmul_epilogue"
         else:
             source = rows.generate_rowwise(region.analysis, region.plan, p["rows"])
             entry = rows.host.op_name(region.plan)
@@ -446,6 +542,10 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
         call=", ".join(names),
         tracer=tracer,
         arg_names=names,
+        convs=_pretty_dict(convs),
+        conv_note=", ".join(plan.convs) if own_convs and plan.convs else "none",
+        conv_params=repr(p["conv"] if own_convs else {}),
+        conv_source=conv.SOURCE.strip("\n"),
     )
     return checked_copy(source)
 
@@ -454,6 +554,10 @@ def _check_forward(task_source: str) -> tuple[str, list[str]]:
     from kernelcrew.agents.playbook.attention import _forward_signature
 
     return _forward_signature(task_source)
+
+
+def _pretty_dict(items: dict[str, Any]) -> str:
+    return "{" + "".join(f"\n    {k!r}: {v!r}," for k, v in items.items()) + ("\n}" if items else "}")
 
 
 def _pretty(table: list[dict[str, Any]]) -> str:
@@ -554,6 +658,7 @@ forward with torch.fx per input signature and runs that graph with each region's
 by one call of the region's own Triton kernel:
 {summary}
 Anchors kept as torch calls: {anchors}. Fusible ops left to torch: {left}.
+Float32 convolutions run by the own implicit-GEMM kernel in TF32x3: {conv_note}.
 """
 
 import math
@@ -561,6 +666,7 @@ import math
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -575,6 +681,29 @@ REGIONS = {regions}
 WEIGHTS = {weights}
 REGION_FUNCTIONS = {{{functions}}}
 ARG_NAMES = {arg_names!r}  # the forward's parameters after self
+#: The float32 convolutions that run as the own kernel (module path -> WEIGHTS' indices of its
+#: weight and bias), and the kernel's tiles.
+CONVS = {convs}
+CONV_PARAMS = {conv_params}
+
+
+{conv_source}
+
+
+def _own_convs(root, graph, weights):
+    """Each one-argument call of a module of CONVS becomes a call of the own kernel on the module's
+    weight and bias (extra inputs, as the regions' weights) with its settings as constants."""
+    for node in list(graph.nodes):
+        spec = CONVS.get(node.target) if node.op == "call_module" else None
+        if spec is None or len(node.args) != 1 or node.kwargs:
+            continue
+        w, b = spec
+        with graph.inserting_before(node):
+            args = (node.args[0], weights[w], None if b is None else weights[b])
+            settings = conv_spec(root.get_submodule(node.target))
+            call = graph.call_function(conv_tf32x3, (*args, settings, CONV_PARAMS))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
 
 
 def _trace(module):
@@ -597,8 +726,9 @@ def trace_at_shapes(module, args):
     return tracer.trace(module, meta_args=meta, concrete_args=concrete or None)
 
 
-def _rewrite(graph):
-    """Replace each region's nodes by one call of its wrapper; the weights become extra inputs."""
+def _rewrite(graph, root):
+    """Replace each region's nodes by one call of its wrapper and each convolution of CONVS by the
+    own kernel's; the weights become extra inputs."""
     nodes = {{node.name: node for node in graph.nodes}}
     holders = [node for node in graph.nodes if node.op == "placeholder"]
     weights, last = [], holders[-1] if holders else None
@@ -618,6 +748,7 @@ def _rewrite(graph):
         for name in reversed(region["nodes"]):
             graph.erase_node(nodes[name])
         nodes[region["out"]] = fused  # a later region may read this one's value by its old name
+    _own_convs(root, graph, weights)
     graph.lint()
     return graph
 
@@ -641,7 +772,7 @@ class ModelNew({name}):
                 graph = {tracer}
             finally:
                 self._tracing = False
-            self._graphs[key] = torch.fx.GraphModule(self, _rewrite(graph))
+            self._graphs[key] = torch.fx.GraphModule(self, _rewrite(graph, self))
         return self._graphs[key]
 
     def _weights(self):

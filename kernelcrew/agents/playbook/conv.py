@@ -1,0 +1,200 @@
+"""An own convolution kernel: float32 ``nn.Conv1d/2d/3d`` as one implicit-GEMM Triton kernel in TF32x3.
+
+cuDNN runs a float32 convolution on the CUDA cores when TF32 is off (``strict`` precision): on an
+H100 that is a tenth of the tensor cores' TF32 rate. This kernel treats the convolution as a GEMM
+whose rows are the output positions ``(n, od, oh, ow)``, whose columns are one group's output
+channels and whose reduction runs over ``(c, kd, kh, kw)``: each ``BLOCK_M x BLOCK_K`` tile of the
+input is gathered from the input tensor (stride, padding and dilation in the index, zeros outside),
+each ``BLOCK_K x BLOCK_N`` tile of the weight is a plain load, and the products run on the tensor
+cores in TF32x3 (``input_precision="tf32x3"``: each operand split into a TF32 high part and its
+remainder, three products summed), which keeps float32 accuracy as :mod:`.matmul` does. The bias is
+added to the fp32 tile before its one store.
+
+1-D and 2-D convolutions run as 3-D ones with unit leading dims. Padding modes other than zeros,
+and ``padding="same"``, pad the input first (``F.pad``) and run with zero padding. Groups are a
+second grid axis. :func:`eligible` keeps the library's convolution where this kernel's GEMM tiles
+would be mostly empty: depthwise and other groups of fewer than :data:`MIN_GROUP_CHANNELS` output
+channels (memory-bound, where cuDNN's direct kernels win). Transposed convolutions stay cuDNN's.
+
+The host function ``conv_tf32x3(x, weight, bias, spec, params)`` (``spec``: ``conv_spec(module)``,
+the module's stride, padding, dilation, groups and padding mode) and the kernel are :data:`SOURCE`,
+emitted into candidates (``anchored_fusion`` replaces each eligible module call of its graph).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Output channels per group from which the kernel's tiles are worth it (``BLOCK_N`` is 16 or more).
+MIN_GROUP_CHANNELS = 16
+#: Module types the kernel replaces.
+MODULES = frozenset(f"torch.nn.modules.conv.Conv{d}d" for d in (1, 2, 3))
+PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture class, first tried first.
+CONFIGS = {
+    "sm_90": [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 4)],
+    "sm_80": [(128, 64, 16, 4, 3), (64, 64, 16, 4, 4)],
+    "cpu": [(16, 16, 16, 4, 1)],
+}
+
+
+def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the kernel replaces this call of a convolution module, and why (not)."""
+    if node.get("kind") != "call_module" or node.get("module_type") not in MODULES:
+        return False, "not a call of an nn.Conv1d/2d/3d module"
+    weight = next((e for e in analysis.state_dict if e["name"] == f"{node['target']}.weight"), None)
+    if node.get("dtype") != "float32" or weight is None or weight.get("dtype") != "float32":
+        return False, "not float32 (cuDNN's tensor-core kernels serve half precision)"
+    groups = node.get("kwargs", {}).get("groups", 1)
+    if not isinstance(groups, int) or groups < 1 or weight["shape"][0] % groups:
+        return False, f"groups {groups!r} unreadable"
+    if weight["shape"][0] // groups < MIN_GROUP_CHANNELS:
+        return False, (
+            f"{weight['shape'][0] // groups} output channel(s) per group: a memory-bound convolution "
+            "(depthwise-like), the library's"
+        )
+    return True, "a float32 convolution: implicit GEMM in TF32x3"
+
+
+def tuning_space(arch_class: str) -> list[dict[str, int]]:
+    """Tile configurations of the kernel on an architecture class (``sm_90``, ``sm_80``, ``cpu``)."""
+    configs = CONFIGS.get(arch_class, CONFIGS["sm_90"])
+    return [dict(zip(PARAMS, (bm, bn, bk, 8, w, s), strict=True)) for bm, bn, bk, w, s in configs]
+
+
+def check_params(params: dict[str, Any]) -> dict[str, int]:
+    merged = {**tuning_space("sm_90")[0], **params}
+    unknown = set(merged) - set(PARAMS)
+    if unknown:
+        raise ValueError(f"unknown conv parameter(s) {sorted(unknown)} ({', '.join(PARAMS)})")
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = merged[key]
+        if not isinstance(v, int) or v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(f"conv {key} must be a power of two in [16, 256], got {v!r}")
+    for key, low, high in (("GROUP_M", 1, 64), ("num_warps", 1, 16), ("num_stages", 1, 7)):
+        if not isinstance(merged[key], int) or not low <= merged[key] <= high:
+            raise ValueError(f"conv {key} must be in [{low}, {high}], got {merged[key]!r}")
+    return merged
+
+
+SOURCE = '''
+@triton.jit
+def conv_tf32x3_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    N, C, D, H, W, OC, OD, OH, OW,
+    SD, SH, SW, PD, PH, PW, DD, DH, DW,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, INDEX64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One BLOCK_M x BLOCK_N tile of output positions x one group's output channels; C and OC are
+    per group, the group is program axis 1."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    M = N * OD * OH * OW
+    K = C * KD * KH * KW
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(OC, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < OC
+    ow = rm % OW
+    t = rm // OW
+    oh = t % OH
+    t = t // OH
+    od = t % OD
+    n = t // OD
+    if INDEX64:
+        n = n.to(tl.int64)
+    d0 = od * SD - PD
+    h0 = oh * SH - PH
+    w0 = ow * SW - PW
+    x_base = (n * (C * tl.num_programs(1)) + g * C) * (D * H * W)
+    w_base = (g * OC + rn) * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        kw = rk % KW
+        t = rk // KW
+        kh = t % KH
+        t = t // KH
+        kd = t % KD
+        c = t // KD
+        di = d0[:, None] + kd[None, :] * DD
+        hi = h0[:, None] + kh[None, :] * DH
+        wi = w0[:, None] + kw[None, :] * DW
+        inside = (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+        a_mask = m_ok[:, None] & k_ok[None, :] & inside
+        a_off = x_base[:, None] + c[None, :] * (D * H * W) + (di * H + hi) * W + wi
+        a = tl.load(x_ptr + a_off, mask=a_mask, other=0.0)
+        b = tl.load(w_ptr + w_base[None, :] + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="tf32x3")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + g * OC + rn, mask=n_ok, other=0.0)[None, :]
+    spatial = (od * OH + oh) * OW + ow
+    y_off = ((n * tl.num_programs(1) + g)[:, None] * OC + rn[None, :]) * (OD * OH * OW) + spatial[:, None]
+    tl.store(y_ptr + y_off, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def conv_spec(conv):
+    """What the kernel needs of an nn.Conv1d/2d/3d module besides its parameters (plain values)."""
+    return (
+        tuple(conv.stride), conv.padding if isinstance(conv.padding, str) else tuple(conv.padding),
+        tuple(conv.dilation), conv.groups, conv.padding_mode, tuple(conv._reversed_padding_repeated_twice),
+    )
+
+
+def conv_tf32x3(x, w, bias, spec, params):
+    """An nn.Conv1d/2d/3d module's call on ``x`` (weight ``w``, ``bias``, :func:`conv_spec`): the
+    implicit-GEMM kernel in TF32x3 for float32 tensors on a GPU (or the interpreter)."""
+    stride, padding, dilation, groups, padding_mode, reversed_padding = spec
+    nd = w.dim() - 2
+    if x.dtype != torch.float32 or w.dtype != torch.float32:  # the library call, as the module makes it
+        if padding_mode != "zeros":
+            x, padding = F.pad(x, reversed_padding, mode=padding_mode), 0
+        return (F.conv1d, F.conv2d, F.conv3d)[nd - 1](x, w, bias, stride, padding, dilation, groups)
+    if x.dim() == nd + 1:  # an unbatched input
+        return conv_tf32x3(x.unsqueeze(0), w, bias, spec, params).squeeze(0)
+    if padding_mode != "zeros" or isinstance(padding, str):
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+        x = F.pad(x, reversed_padding, mode=mode)
+        padding = (0,) * nd
+    lift = (1,) * (3 - nd)
+    x = x.contiguous()
+    n, c = x.shape[:2]
+    size = lift + tuple(x.shape[2:])
+    kernel = lift + tuple(w.shape[2:])
+    stride = lift + tuple(stride)
+    dilation = lift + tuple(dilation)
+    pad = (0,) * (3 - nd) + tuple(padding)
+    out = tuple((i + 2 * p - d * (k - 1) - 1) // s + 1 for i, p, d, k, s in zip(size, pad, dilation, kernel, stride))
+    if min(out) <= 0:
+        raise RuntimeError(f"the input {tuple(x.shape)} is smaller than the convolution's kernel")
+    oc = w.shape[0]
+    y = torch.empty((n, oc, *out), dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y.reshape(n, oc, *out[3 - nd:])
+    wc = w.contiguous()
+    m = n * out[0] * out[1] * out[2]
+    grid = (triton.cdiv(m, params["BLOCK_M"]) * triton.cdiv(oc // groups, params["BLOCK_N"]), groups)
+    conv_tf32x3_kernel[grid](
+        x, wc, bias if bias is not None else wc, y,
+        n, c // groups, *size, oc // groups, *out,
+        *stride, *pad, *dilation,
+        KD=kernel[0], KH=kernel[1], KW=kernel[2],
+        HAS_BIAS=bias is not None,
+        INDEX64=max(x.numel(), y.numel(), wc.numel()) >= 2**31,
+        BLOCK_M=params["BLOCK_M"], BLOCK_N=params["BLOCK_N"], BLOCK_K=params["BLOCK_K"],
+        GROUP_M=params["GROUP_M"], num_warps=params["num_warps"], num_stages=params["num_stages"],
+    )
+    return y.reshape(n, oc, *out[3 - nd:])
+'''
+
+__all__ = ["MODULES", "SOURCE", "check_params", "eligible", "tuning_space"]

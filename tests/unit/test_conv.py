@@ -1,0 +1,78 @@
+"""The own convolution kernel (implicit GEMM in TF32x3) against torch's convolutions, on the CPU
+(Triton's interpreter): every spelling of a convolution module it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from kernelcrew.agents.playbook import conv
+from kernelcrew.agents.playbook.analysis import TaskAnalysis
+
+
+@pytest.fixture
+def conv_tf32x3(monkeypatch):
+    """The candidates' host function, built as a candidate builds it (interpreted Triton)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import triton
+    import triton.language as tl
+
+    namespace = {"torch": torch, "triton": triton, "tl": tl, "F": torch.nn.functional}
+    exec(compile(conv.SOURCE, "<conv.SOURCE>", "exec"), namespace)
+    fn, spec = namespace["conv_tf32x3"], namespace["conv_spec"]
+    return lambda module, x, params: fn(x, module.weight, module.bias, spec(module), params)
+
+
+CASES = {
+    "conv2d": (nn.Conv2d(3, 16, 3), (2, 3, 9, 11)),
+    "conv2d-stride-pad-dilation": (
+        nn.Conv2d(5, 20, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1)),
+        (2, 5, 12, 9),
+    ),
+    "conv2d-groups-no-bias": (nn.Conv2d(6, 32, 3, padding=1, groups=2, bias=False), (1, 6, 7, 7)),
+    "conv2d-reflect": (nn.Conv2d(3, 16, 3, padding=2, padding_mode="reflect"), (2, 3, 8, 8)),
+    "conv2d-same": (nn.Conv2d(3, 16, 4, padding="same", dilation=2), (2, 3, 10, 9)),
+    "conv2d-unbatched": (nn.Conv2d(3, 16, 3), (3, 6, 6)),
+    "conv1d-circular": (nn.Conv1d(4, 16, 5, stride=2, padding=2, padding_mode="circular"), (3, 4, 17)),
+    "conv3d": (nn.Conv3d(2, 16, (2, 3, 3), stride=(1, 2, 2), padding=(1, 0, 1)), (2, 2, 5, 7, 6)),
+    "conv2d-1x1": (nn.Conv2d(24, 16, 1), (2, 24, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_kernel_matches_torch(conv_tf32x3, name):
+    torch.manual_seed(0)
+    module, shape = CASES[name]
+    x = torch.randn(shape)
+    params = conv.tuning_space("cpu")[0]
+    with torch.no_grad():
+        got = conv_tf32x3(module, x, params)
+        want = module.double()(x.double()).float()
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _node(module_type: str, groups: int, dtype: str = "float32") -> dict:
+    return {
+        "name": "c",
+        "kind": "call_module",
+        "target": "c",
+        "module_type": f"torch.nn.modules.conv.{module_type}",
+        "kwargs": {"groups": groups},
+        "dtype": dtype,
+    }
+
+
+def test_what_the_kernel_replaces():
+    analysis = TaskAnalysis(
+        {"state_dict": [{"name": "c.weight", "shape": [64, 1, 3, 3], "dtype": "float32"}]}
+    )
+    assert conv.eligible(analysis, _node("Conv2d", 1))[0]
+    assert conv.eligible(analysis, _node("Conv2d", 2))[0]  # 32 output channels per group
+    depthwise = conv.eligible(analysis, _node("Conv2d", 64))
+    assert not depthwise[0] and "depthwise" in depthwise[1]
+    assert not conv.eligible(analysis, _node("ConvTranspose2d", 1))[0]
+    assert not conv.eligible(analysis, _node("Conv2d", 1, "float16"))[0]
+    with pytest.raises(ValueError, match="power of two"):
+        conv.check_params({"BLOCK_M": 48})
