@@ -1,0 +1,86 @@
+"""The own TF32x3 kernels of ``anchored_fusion`` on the GPU: float32 convolutions (implicit GEMM)
+and linear layers (GEMM heads) judged by ``kernelcrew verify`` at strict float32 tolerances, on the
+tensor cores this time (the CPU tests run them in Triton's interpreter, in NumPy's float32)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from kernelcrew.agents.playbook import anchored, generate, tuning_space
+from tests.conftest import local_analysis
+from tests.gpu.conftest import kernelcrew_json
+
+pytestmark = pytest.mark.gpu
+
+
+def _task(init: str, forward: str, inputs: str) -> str:
+    return textwrap.dedent(
+        """
+        import torch
+        import torch.nn as nn
+
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+        {init}
+
+            def forward(self, x):
+        {forward}
+
+
+        def get_inputs():
+            return [{inputs}]
+
+
+        def get_init_inputs():
+            return []
+        """
+    ).format(
+        init=textwrap.indent(textwrap.dedent(init).strip(), " " * 8),
+        forward=textwrap.indent(textwrap.dedent(forward).strip(), " " * 8),
+        inputs=inputs,
+    )
+
+
+TASKS = {
+    # a compute-bound 3x3 convolution, bias and ReLU after it (KernelBench level 2's pattern)
+    "conv2d_relu": _task(
+        "self.conv = nn.Conv2d(64, 128, 3, padding=1)",
+        "return torch.relu(self.conv(x)) * 0.5",
+        "torch.randn(8, 64, 64, 64)",
+    ),
+    # 3-D, grouped, strided, no bias, then an instance norm
+    "conv3d_groups_norm": _task(
+        "self.conv = nn.Conv3d(16, 64, 3, stride=(1, 2, 2), groups=2, bias=False)\n"
+        "self.norm = nn.InstanceNorm3d(64)",
+        "return self.norm(self.conv(x))",
+        "torch.randn(4, 16, 10, 34, 34)",
+    ),
+    # a linear layer with K = 4096 (the GEMM head) and a softmax after it
+    "linear_softmax": _task(
+        "self.fc = nn.Linear(4096, 2048)",
+        "return torch.softmax(self.fc(x) * 0.1, dim=-1)",
+        "torch.randn(512, 4096)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_own_tf32x3_kernels_verify_on_the_gpu(tmp_path, name):
+    source = TASKS[name]
+    analysis = local_analysis(source)
+    plan, reason = anchored.match(analysis)
+    assert plan is not None, reason
+    assert plan.convs or any(r.generator == "matmul" for r in plan.regions), reason
+    params = tuning_space("anchored_fusion", analysis, "sm_90")[0]
+    (tmp_path / "task.py").write_text(source)
+    (tmp_path / "candidate.py").write_text(generate("anchored_fusion", source, analysis, params))
+    report = kernelcrew_json(
+        "verify", str(tmp_path / "task.py"), str(tmp_path / "candidate.py"),
+        "--device", "cuda", "--compile-modes", "none", "--quick",
+    )  # fmt: skip
+    assert report["verdict"] == "pass", report.get("message")
+    assert report["kind"] == "kernel", report
