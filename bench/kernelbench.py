@@ -382,14 +382,15 @@ def seed_shards(
     out: Path,
     device: str,
     again: frozenset[str] = frozenset(),
+    model: str | None = None,
 ) -> int:
     """On a machine without the shards' tables, give each shard the rows the result file already has
-    (same device kind) but those of ``again``, so ``kernelcrew bench --resume`` skips them; returns
-    how many were seeded."""
+    (same device kind and GPU model: an H100's rows never join an H200's) but those of ``again``, so
+    ``kernelcrew bench --resume`` skips them; returns how many were seeded."""
     if not results.exists():
         return 0
     previous = json.loads(results.read_text())
-    if previous.get("device_kind") != device:
+    if previous.get("device_kind") != device or (model is not None and previous.get("model") != model):
         return 0
     rows = {r["task"]: r for r in previous.get("rows", []) if r["task"] in order and r["task"] not in again}
     header = {
@@ -409,6 +410,19 @@ def seed_shards(
     return seeded
 
 
+def machine_model(device: str, gpus: list[str]) -> str:
+    """The model of the GPUs the shards run on (``kernelcrew.tools.hardware.model_slug``: ``h100``,
+    ``h200``...; ``cpu`` for a dry run): a result file holds one model's rows."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    from kernelcrew.tools.hardware import model_slug
+
+    props = torch.cuda.get_device_properties(int(gpus[0]) if gpus else 0)
+    return model_slug(props.name, props.total_memory)
+
+
 def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str, Any]:
     """Run (or continue) the sample in ``args.run`` and write the result files."""
     limit_at = None if args.wall_limit is None else (args.started or time.time()) + args.wall_limit
@@ -419,8 +433,10 @@ def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str
         raise SystemExit(f"--first names tasks that are not in the sample: {', '.join(unknown)}")
     launched = [*first, *(t for t in order if t not in first)]
     gpus = [g for g in args.gpus.split(",") if g]
-    results = args.results / f"{args.name}.json"
-    seeded = seed_shards(results, launched, gpus, args.out, args.device, frozenset(first))
+    model = machine_model(args.device, gpus)
+    family = model.split("-")[0]  # h100-sxm -> h100
+    results = args.results / f"{args.name or f'kernelbench_{family}'}.json"
+    seeded = seed_shards(results, launched, gpus, args.out, args.device, frozenset(first), model)
     if seeded:
         print(f"{seeded} finished tasks taken from {results}", file=sys.stderr)
     left = None if limit_at is None else limit_at - time.time()
@@ -440,7 +456,8 @@ def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str
     data["seed"] = _manifest_seed(args.run)
     command = " ".join(["python", "bench/kernelbench.py", *argv])
     previous = json.loads(results.read_text()) if results.exists() else {}
-    earlier = previous.get("commands", []) if previous.get("device_kind") == args.device else []
+    same = previous.get("device_kind") == args.device and previous.get("model") == data.get("model", model)
+    earlier = previous.get("commands", []) if same else []
     data["commands"] = [*earlier, command]  # a run continued over several calls lists each
     args.results.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -491,7 +508,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]
     )
     ap.add_argument("--out", type=Path, default=Path("bench-out/kernelbench"), help="the shards' folders")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--name", default="kernelbench_h100", help="the result's file name")
+    ap.add_argument(
+        "--name", help="the result's file name (default: kernelbench_<GPU model>, e.g. kernelbench_h100)"
+    )
     ap.add_argument("--wall-limit", type=float, help="seconds this command may run (from --started)")
     ap.add_argument(
         "--first",

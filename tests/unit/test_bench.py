@@ -475,3 +475,15 @@ def test_kernelbench_rows_of_tasks_run_again_are_not_seeded(tmp_path):
     assert seed_shards(results, ["l2_b", "l1_a"], ["0"], tmp_path / "out", "cuda", frozenset({"l2_b"})) == 1
     table = json.loads((tmp_path / "out" / "gpu0" / "suite.json").read_text())
     assert [r["task"] for r in table["rows"]] == ["l1_a"]
+
+
+def test_kernelbench_rows_of_another_gpu_model_are_not_seeded(tmp_path):
+    """A multi-GPU call may land on H200s: an H100 result file's rows must not join their run."""
+    from bench.kernelbench import seed_shards
+
+    results = tmp_path / "kb.json"
+    results.write_text(json.dumps({"device_kind": "cuda", "model": "h100-sxm", "rows": [{"task": "l1_a"}]}))
+    out = tmp_path / "out"
+    assert seed_shards(results, ["l1_a"], ["0"], out, "cuda", model="h200") == 0
+    assert not (out / "gpu0" / "suite.json").exists()
+    assert seed_shards(results, ["l1_a"], ["0"], out, "cuda", model="h100-sxm") == 1

@@ -122,11 +122,11 @@ def conv_tf32x3_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         kw = rk % KW
-        t = rk // KW
-        kh = t % KH
-        t = t // KH
-        kd = t % KD
-        c = t // KD
+        rest = rk // KW  # a name of its own: Triton types a loop's variables once
+        kh = rest % KH
+        rest = rest // KH
+        kd = rest % KD
+        c = rest // KD
         di = d0[:, None] + kd[None, :] * DD
         hi = h0[:, None] + kh[None, :] * DH
         wi = w0[:, None] + kw[None, :] * DW
