@@ -193,15 +193,15 @@ TASKS = {
     "own_conv_and_transposed": (
         task(
             """
-            self.conv = nn.Conv2d(4, 32, 3, stride=2, padding=1, groups=2)
+            self.conv = nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=2)
             self.up = nn.ConvTranspose2d(32, 4, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=2)
             """,
             """
             x = torch.relu(self.conv(x)) * 0.5
             return self.up(x) - 1.0
             """,
-            "torch.randn(2, 4, 9, 9)",
-            "[[torch.randn(1, 4, 6, 7)]]",
+            "torch.randn(2, 32, 9, 9)",
+            "[[torch.randn(1, 32, 6, 7)]]",
         ),
         ["pointwise", "pointwise"],
         [],
@@ -240,6 +240,7 @@ def test_regions_lower_and_the_candidate_verifies(name):
     assert plan is not None, reason
     assert [r.generator for r in plan.regions] == generators
     assert [analysis.node(n)["op"] for n in plan.left] == left
+    assert plan.convs == (["conv"] if name == "own_conv_and_transposed" else []), plan.convs
     assert "anchored_fusion" in [s.name for s, _ in applicable(analysis)], playbook.rejected(analysis)
     params = playbook.tuning_space("anchored_fusion", analysis, "cpu")[0]
     candidate = generate("anchored_fusion", source, analysis, params)
@@ -278,16 +279,16 @@ def test_nothing_to_lower_says_why():
 
 CONVS_ONLY = task(
     """
-    self.c1 = nn.Conv1d(4, 32, 3, padding=2, padding_mode="reflect", groups=2)
-    self.c3 = nn.Conv3d(1, 16, (2, 1, 3), stride=(1, 1, 2), dilation=(1, 1, 2))
-    self.t1 = nn.ConvTranspose1d(32, 4, 4, stride=3, groups=2)
+    self.c1 = nn.Conv1d(32, 32, 3, padding=2, padding_mode="reflect", groups=2)
+    self.c3 = nn.Conv3d(16, 16, (1, 1, 3), stride=(1, 1, 2), dilation=(1, 1, 2))
+    self.t1 = nn.ConvTranspose1d(32, 16, 4, stride=3, groups=2)
     """,
     """
     y = self.t1(self.c1(x))
-    return self.c3(y.unsqueeze(1).unsqueeze(3))
+    return self.c3(y.unsqueeze(2).unsqueeze(3))
     """,
-    "torch.randn(3, 4, 10)",
-    "[[torch.randn(2, 4, 7)]]",
+    "torch.randn(3, 32, 10)",
+    "[[torch.randn(2, 32, 7)]]",
 )
 
 

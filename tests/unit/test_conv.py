@@ -53,26 +53,38 @@ def test_the_kernel_matches_torch(conv_tf32x3, name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _node(module_type: str, groups: int, dtype: str = "float32") -> dict:
+def _node(module_type: str, groups: int, out: list[int], dtype: str = "float32") -> dict:
     return {
         "name": "c",
         "kind": "call_module",
         "target": "c",
         "module_type": f"torch.nn.modules.conv.{module_type}",
         "kwargs": {"groups": groups},
+        "shape": out,
         "dtype": dtype,
     }
 
 
+def _weights(*shape: int) -> TaskAnalysis:
+    return TaskAnalysis({"state_dict": [{"name": "c.weight", "shape": list(shape), "dtype": "float32"}]})
+
+
 def test_what_the_kernel_replaces():
-    analysis = TaskAnalysis(
-        {"state_dict": [{"name": "c.weight", "shape": [64, 1, 3, 3], "dtype": "float32"}]}
-    )
-    assert conv.eligible(analysis, _node("Conv2d", 1))[0]
-    assert conv.eligible(analysis, _node("Conv2d", 2))[0]  # 32 output channels per group
-    depthwise = conv.eligible(analysis, _node("Conv2d", 64))
+    """The rules follow where the kernel beat cuDNN's float32 convolution (conv.py's docstring)."""
+    big = [128, 128, 126, 126]
+    assert conv.eligible(_weights(128, 64, 3, 3), _node("Conv2d", 1, big))[0]
+    assert conv.eligible(_weights(2048, 512, 1, 1), _node("Conv2d", 1, [10, 2048, 7, 7]))[0]
+    assert conv.eligible(_weights(128, 32, 3, 3), _node("Conv2d", 2, big))[0]  # 32 in, 64 out per group
+    assert conv.eligible(_weights(128, 64, 3), _node("Conv1d", 1, [64, 128, 1000]))[0]
+    assert conv.eligible(_weights(128, 64, 3), _node("Conv1d", 1, [128, 8192]))[0]  # unbatched
+    assert conv.eligible(_weights(32, 16, 3, 3), _node("Conv2d", 1, [2, 32, 7, 7]))[0]  # tiny: any tiles
+    few = conv.eligible(_weights(64, 8, 3, 3), _node("Conv2d", 1, big))  # KernelBench l2_73's: 0.57x
+    assert not few[0] and "8 input" in few[1]
+    depthwise = conv.eligible(_weights(128, 1, 3, 3), _node("Conv2d", 128, big))
     assert not depthwise[0] and "depthwise" in depthwise[1]
-    assert not conv.eligible(analysis, _node("ConvTranspose2d", 1))[0]
-    assert not conv.eligible(analysis, _node("Conv2d", 1, "float16"))[0]
+    small = conv.eligible(_weights(256, 256, 3, 3), _node("Conv2d", 1, [10, 256, 14, 14]))  # 0.5-0.8x
+    assert not small[0] and "32 output tiles" in small[1]
+    assert not conv.eligible(_weights(128, 64, 3, 3), _node("ConvTranspose2d", 1, big))[0]
+    assert not conv.eligible(_weights(128, 64, 3, 3), _node("Conv2d", 1, big, "float16"))[0]
     with pytest.raises(ValueError, match="power of two"):
         conv.check_params({"BLOCK_M": 48})

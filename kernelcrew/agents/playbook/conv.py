@@ -12,9 +12,19 @@ added to the fp32 tile before its one store.
 
 1-D and 2-D convolutions run as 3-D ones with unit leading dims. Padding modes other than zeros,
 and ``padding="same"``, pad the input first (``F.pad``) and run with zero padding. Groups are a
-second grid axis. :func:`eligible` keeps the library's convolution where this kernel's GEMM tiles
-would be mostly empty: depthwise and other groups of fewer than :data:`MIN_GROUP_CHANNELS` output
-channels (memory-bound, where cuDNN's direct kernels win). Transposed convolutions stay cuDNN's.
+second grid axis. :func:`eligible` keeps the library's convolution where the kernel lost to cuDNN's
+float32 one in a measurement on an H200 (an ad-hoc probe, not a result file; the 1.26x and 1.4x
+wins were a 64->128 3x3 convolution over 128x128 images and a 1x1 512->2048 one):
+
+* fewer than :data:`MIN_GROUP_CHANNELS` input or output channels per group: the reduction or the
+  tile's columns are mostly padding (3 input channels ran at 0.17-0.73x, 8 at 0.57x; depthwise
+  convolutions are memory-bound, where cuDNN's direct kernels win);
+* fewer than :data:`MIN_TILES` output tiles of 128 x 128 (in a convolution of a quarter GFLOP or
+  more): without a split over the reduction a few
+  programs run long loops while most SMs idle (a 256->256 3x3 convolution over ten 14x14 images,
+  32 tiles, ran at 0.5-0.8x).
+
+Transposed convolutions stay cuDNN's.
 
 The host function ``conv_tf32x3(x, weight, bias, spec, params)`` (``spec``: ``conv_spec(module)``,
 the module's stride, padding, dilation, groups and padding mode) and the kernel are :data:`SOURCE`,
@@ -23,16 +33,21 @@ emitted into candidates (``anchored_fusion`` replaces each eligible module call 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-#: Output channels per group from which the kernel's tiles are worth it (``BLOCK_N`` is 16 or more).
+#: Input and output channels per group from which the kernel's tiles are worth it.
 MIN_GROUP_CHANNELS = 16
+#: The fewest 128 x 128 output tiles (positions x channels, all groups) worth the kernel, where the
+#: convolution has ``MIN_SPLIT_FLOP`` or more (below that, idle SMs cost microseconds).
+MIN_TILES, MIN_SPLIT_FLOP = 48, 2**28
 #: Module types the kernel replaces.
 MODULES = frozenset(f"torch.nn.modules.conv.Conv{d}d" for d in (1, 2, 3))
 PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture class, first tried first.
 CONFIGS = {
-    "sm_90": [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 4)],
+    # 128 x 128 ran 1.26x cuDNN's float32 convolution where 128 x 64 ran 1.01x (the probe above)
+    "sm_90": [(128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)],
     "sm_80": [(128, 64, 16, 4, 3), (64, 64, 16, 4, 4)],
     "cpu": [(16, 16, 16, 4, 1)],
 }
@@ -46,13 +61,24 @@ def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
     if node.get("dtype") != "float32" or weight is None or weight.get("dtype") != "float32":
         return False, "not float32 (cuDNN's tensor-core kernels serve half precision)"
     groups = node.get("kwargs", {}).get("groups", 1)
-    if not isinstance(groups, int) or groups < 1 or weight["shape"][0] % groups:
-        return False, f"groups {groups!r} unreadable"
-    if weight["shape"][0] // groups < MIN_GROUP_CHANNELS:
+    shape = weight.get("shape") or []
+    if not isinstance(groups, int) or groups < 1 or len(shape) < 3 or shape[0] % groups:
+        return False, f"groups {groups!r} or weight shape {shape} unreadable"
+    per_group = (shape[1], shape[0] // groups)
+    if min(per_group) < MIN_GROUP_CHANNELS:
         return False, (
-            f"{weight['shape'][0] // groups} output channel(s) per group: a memory-bound convolution "
-            "(depthwise-like), the library's"
+            f"{per_group[0]} input and {per_group[1]} output channel(s) per group: mostly padding in "
+            "the kernel's tiles (few channels, depthwise), the library's"
         )
+    out = node.get("shape") or []
+    rank = len(shape) - 2
+    if len(out) not in (rank + 1, rank + 2):
+        return False, f"output shape {out} unreadable"
+    positions = math.prod(out[-rank:]) * (out[0] if len(out) == rank + 2 else 1)
+    tiles = math.ceil(positions / 128) * math.ceil(per_group[1] / 128) * groups
+    flop = 2 * positions * shape[0] * math.prod(shape[1:])
+    if tiles < MIN_TILES and flop >= MIN_SPLIT_FLOP:
+        return False, f"{tiles} output tiles of 128 x 128: too few to fill the GPU without a split over K"
     return True, "a float32 convolution: implicit GEMM in TF32x3"
 
 
