@@ -4,45 +4,18 @@ tensor cores this time (the CPU tests run them in Triton's interpreter, in NumPy
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
 from kernelcrew.agents.playbook import anchored, generate, tuning_space
 from tests.conftest import local_analysis
 from tests.gpu.conftest import kernelcrew_json
+from tests.unit.test_anchored import task
 
 pytestmark = pytest.mark.gpu
 
 
 def _task(init: str, forward: str, inputs: str) -> str:
-    return textwrap.dedent(
-        """
-        import torch
-        import torch.nn as nn
-
-
-        class Model(nn.Module):
-            def __init__(self):
-                super().__init__()
-        {init}
-
-            def forward(self, x):
-        {forward}
-
-
-        def get_inputs():
-            return [{inputs}]
-
-
-        def get_init_inputs():
-            return []
-        """
-    ).format(
-        init=textwrap.indent(textwrap.dedent(init).strip(), " " * 8),
-        forward=textwrap.indent(textwrap.dedent(forward).strip(), " " * 8),
-        inputs=inputs,
-    )
+    return task(init, forward, inputs, "[]")
 
 
 TASKS = {
@@ -54,10 +27,10 @@ TASKS = {
     ),
     # 3-D, grouped, strided, no bias, then an instance norm
     "conv3d_groups_norm": _task(
-        "self.conv = nn.Conv3d(16, 64, 3, stride=(1, 2, 2), groups=2, bias=False)\n"
+        "self.conv = nn.Conv3d(32, 64, 3, stride=(1, 2, 2), groups=2, bias=False)\n"
         "self.norm = nn.InstanceNorm3d(64)",
         "return self.norm(self.conv(x))",
-        "torch.randn(4, 16, 10, 34, 34)",
+        "torch.randn(4, 32, 10, 34, 34)",
     ),
     # a linear layer with K = 4096 (the GEMM head) and a softmax after it
     "linear_softmax": _task(

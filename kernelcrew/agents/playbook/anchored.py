@@ -15,9 +15,10 @@ them. :func:`match` walks the traced graph in order and splits it into
   own Triton GEMM that applies that piece in its epilogue and multiplies in TF32x3 (float32
   accuracy on the tensor cores, 1.7x cuBLAS's float32 GEMM on an H100: docs/benchmarks.md). A
   head that does not lower (half-precision layers, where cuBLAS is faster; a GEMV) stays an anchor.
-* *float32 convolutions* (``nn.Conv1d/2d/3d`` with 16 or more output channels per group) run as
-  :mod:`.conv`'s own implicit-GEMM kernel in TF32x3 (parameter ``conv``; ``"library"`` keeps
-  cuDNN's): each such module call of the traced graph calls the kernel instead.
+* *float32 convolutions* (``nn.Conv1d/2d/3d`` that :func:`.conv.eligible` gives the kernel: enough
+  channels per group and output tiles) run as :mod:`.conv`'s own implicit-GEMM kernel in TF32x3
+  (parameter ``conv``; ``"library"`` keeps cuDNN's): each such module call of the traced graph
+  calls the kernel instead.
 
 The generators are reused on a *sub-analysis*: a copy of the piece's nodes whose outside values
 are placeholders (weights stay the module's own). A reduction over other dims than the last
