@@ -6,9 +6,9 @@ more passes. :func:`match` takes a forward whose one output is an elementwise fu
 :mod:`.pointwise`: any chain of its ops, with scalars, bias-like ``(N,)`` vectors, per-row
 ``(..., 1)`` columns and full-size tensors such as a residual) of one or two linear layers of the
 same input: ``nn.Linear``/``F.linear`` of the module's own weight (with or without its bias), or
-``x @ W`` of a 2-D parameter or of a 2-D argument of forward (``torch.matmul(A, B)``). The kernel computes each tile of the output in fp32 accumulators
-(two for a gated pair, which then share each tile of ``x`` they load), applies the epilogue in
-registers and stores the output once.
+``x @ W`` of a 2-D parameter or of a 2-D argument of forward (``torch.matmul(A, B)``). The kernel
+computes each tile of the output in fp32 accumulators (two for a gated pair, which then share each
+tile of ``x`` they load), applies the epilogue in registers and stores the output once.
 
 The tile loop is the classic one (``BLOCK_M x BLOCK_N`` tiles over ``BLOCK_K`` steps, tiles
 visited in groups of ``GROUP_M`` rows so that neighbouring programs share their weight tiles in L2,
