@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kernelcrew.agents.playbook.matmul import PARAMS, check_tiles
+
 #: Input and output channels per group from which the kernel's tiles are worth it.
 MIN_GROUP_CHANNELS = 16
 #: The fewest 128 x 128 output tiles (positions x channels, all groups) worth the kernel, where the
@@ -42,7 +44,6 @@ MIN_GROUP_CHANNELS = 16
 MIN_TILES, MIN_SPLIT_FLOP = 48, 2**28
 #: Module types the kernel replaces.
 MODULES = frozenset(f"torch.nn.modules.conv.Conv{d}d" for d in (1, 2, 3))
-PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture class, first tried first.
 CONFIGS = {
     # 128 x 128 ran 1.26x cuDNN's float32 convolution where 128 x 64 ran 1.01x (the probe above)
@@ -88,18 +89,8 @@ def tuning_space(arch_class: str) -> list[dict[str, int]]:
 
 
 def check_params(params: dict[str, Any]) -> dict[str, int]:
-    merged = {**tuning_space("sm_90")[0], **params}
-    unknown = set(merged) - set(PARAMS)
-    if unknown:
-        raise ValueError(f"unknown conv parameter(s) {sorted(unknown)} ({', '.join(PARAMS)})")
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        v = merged[key]
-        if not isinstance(v, int) or v < 16 or v > 256 or v & (v - 1):
-            raise ValueError(f"conv {key} must be a power of two in [16, 256], got {v!r}")
-    for key, low, high in (("GROUP_M", 1, 64), ("num_warps", 1, 16), ("num_stages", 1, 7)):
-        if not isinstance(merged[key], int) or not low <= merged[key] <= high:
-            raise ValueError(f"conv {key} must be in [{low}, {high}], got {merged[key]!r}")
-    return merged
+    """The kernel's tiles: ``params`` over the first H100 configuration, checked as the matmul's."""
+    return check_tiles(params, tuning_space("sm_90")[0], max_block=256, what="conv ")
 
 
 SOURCE = '''

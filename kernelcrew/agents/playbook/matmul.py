@@ -353,22 +353,30 @@ def tuning_space(plan: MatmulPlan, arch: str) -> list[dict[str, int]]:
     return [dict(zip(PARAMS, (bm, bn, bk, 8, w, s), strict=True)) for bm, bn, bk, w, s in ordered]
 
 
-def _check_params(params: dict[str, Any]) -> dict[str, int]:
-    merged = {**dict(zip(PARAMS, (64, 64, 32, 8, 4, 3), strict=True)), **params}
+def check_tiles(
+    params: dict[str, Any], defaults: dict[str, int], max_block: int = 512, what: str = ""
+) -> dict[str, int]:
+    """``defaults`` updated with ``params``, each a valid tile parameter (:data:`PARAMS`) of a
+    Triton GEMM-shaped kernel (this one, :mod:`.conv`'s); ``what`` names the kernel in errors."""
+    merged = {**defaults, **params}
     unknown = set(merged) - set(PARAMS)
     if unknown:
-        raise ValueError(f"unknown parameter(s) {sorted(unknown)} ({', '.join(PARAMS)})")
+        raise ValueError(f"unknown {what}parameter(s) {sorted(unknown)} ({', '.join(PARAMS)})")
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = merged[key]
-        if not isinstance(v, int) or v < 16 or v > 512 or v & (v - 1):
-            raise ValueError(f"{key} must be a power of two in [16, 512], got {v!r}")
+        if not isinstance(v, int) or v < 16 or v > max_block or v & (v - 1):
+            raise ValueError(f"{what}{key} must be a power of two in [16, {max_block}], got {v!r}")
     if not isinstance(merged["GROUP_M"], int) or not 1 <= merged["GROUP_M"] <= 64:
-        raise ValueError(f"GROUP_M must be in [1, 64], got {merged['GROUP_M']!r}")
+        raise ValueError(f"{what}GROUP_M must be in [1, 64], got {merged['GROUP_M']!r}")
     if merged["num_warps"] not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {merged['num_warps']!r}")
+        raise ValueError(f"{what}num_warps must be 1, 2, 4, 8 or 16, got {merged['num_warps']!r}")
     if not isinstance(merged["num_stages"], int) or not 1 <= merged["num_stages"] <= 7:
-        raise ValueError(f"num_stages must be in [1, 7], got {merged['num_stages']!r}")
+        raise ValueError(f"{what}num_stages must be in [1, 7], got {merged['num_stages']!r}")
     return merged
+
+
+def _check_params(params: dict[str, Any]) -> dict[str, int]:
+    return check_tiles(params, dict(zip(PARAMS, (64, 64, 32, 8, 4, 3), strict=True)))
 
 
 def generate(task_source: str, analysis: TaskAnalysis, plan: MatmulPlan, params: dict[str, Any]) -> str:
@@ -561,4 +569,4 @@ class ModelNew(nn.Module):
 '''
 
 
-__all__ = ["MatmulPlan", "generate", "match", "operand_mode", "rank", "tuning_space"]
+__all__ = ["MatmulPlan", "check_tiles", "generate", "match", "operand_mode", "rank", "tuning_space"]
