@@ -245,11 +245,16 @@ def test_regions_lower_and_the_candidate_verifies(name):
     params = playbook.tuning_space("anchored_fusion", analysis, "cpu")[0]
     candidate = generate("anchored_fusion", source, analysis, params)
     assert static_check(candidate) == []
+    _passes_as_own_kernels(source, candidate)
+
+
+def _passes_as_own_kernels(source: str, candidate: str) -> None:
+    """The candidate verifies and, timed, is a kernel or hybrid: the anchors are the reference's
+    own ops, so the kind comes from where the time goes."""
     golden = make_golden(source, device="cpu", precision="strict", settings=SETTINGS)
     try:
         verdict = verify(source, candidate, golden=golden, settings=SETTINGS)
         assert verdict.verdict == "pass", (verdict.stage, verdict.message)
-        # the anchors are the reference's own ops: the kind comes from where the time goes
         timed = benchmark(
             source, {"anchored": (candidate, "candidate.py")}, golden=golden, quick=True, settings=SETTINGS
         )
@@ -307,17 +312,7 @@ def test_float32_convolutions_alone_run_as_own_kernels_and_verify():
     candidate = generate("anchored_fusion", CONVS_ONLY, analysis, params)
     assert static_check(candidate) == []
     assert "CONVS = {\n    'c1': (0, 1),\n    'c3': (2, 3),\n}" in candidate
-    golden = make_golden(CONVS_ONLY, device="cpu", precision="strict", settings=SETTINGS)
-    try:
-        verdict = verify(CONVS_ONLY, candidate, golden=golden, settings=SETTINGS)
-        assert verdict.verdict == "pass", (verdict.stage, verdict.message)
-        timed = benchmark(
-            CONVS_ONLY, {"own": (candidate, "candidate.py")}, golden=golden, quick=True, settings=SETTINGS
-        )
-    finally:
-        golden.cleanup()
-    assert timed.failure is None, timed.failure
-    assert timed.kinds["own"]["kind"] in ("kernel", "hybrid"), timed.kinds["own"]["evidence"]
+    _passes_as_own_kernels(CONVS_ONLY, candidate)
     library = generate("anchored_fusion", CONVS_ONLY, analysis, {**params, "conv": "library"})
     assert "CONVS = {}" in library
     with pytest.raises(ValueError, match="conv must be"):

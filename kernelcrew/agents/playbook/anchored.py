@@ -193,22 +193,6 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
     for run in runs:
         i = 0
         while i < len(run):
-            if i == 0 and _gemm_head(run[0]):
-                region = next(
-                    (
-                        r
-                        for j in range(len(run), 0, -1)
-                        if _closed(run[:j], users) and (r := _lower(a, run[:j]))
-                    ),
-                    None,
-                )
-                if region is None:
-                    anchors.append(run[0]["op"])
-                    i = 1
-                else:
-                    regions.append(region)
-                    i = len(region.nodes)
-                continue
             for j in range(len(run), i, -1):
                 region = _lower(a, run[i:j]) if _closed(run[i:j], users) else None
                 if region is not None:
@@ -216,7 +200,10 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
                     i = j
                     break
             else:
-                left.append(run[i]["name"])
+                if _gemm_head(run[i]):  # only ever a run's first node: a GEMM that did not lower
+                    anchors.append(run[i]["op"])
+                else:
+                    left.append(run[i]["name"])
                 i += 1
     convs = list(dict.fromkeys(n["target"] for n in a.nodes if conv.eligible(a, n)[0]))
     return AnchoredPlan(regions, left, anchors, traced_at_shapes=a.traced_at_shapes, convs=convs)
@@ -315,11 +302,7 @@ def _lower(a: TaskAnalysis, piece: list[dict[str, Any]]) -> Region | None:
             return None
         args = [("node", plan.input)]
         args += [("node" if layer.source == "input" else "parameter", layer.weight) for layer in plan.layers]
-        for i in plan.loaded:
-            operand = plan.epilogue.operands[i]
-            args.append(
-                ("node", operand.name) if operand.source == "input" else (operand.source, operand.name)
-            )
+        args += [_arg(plan.epilogue.operands[i]) for i in plan.loaded]
         return Region(
             nodes=tuple(n["name"] for n in piece),
             out=piece[-1]["name"],
@@ -336,9 +319,7 @@ def _lower(a: TaskAnalysis, piece: list[dict[str, Any]]) -> Region | None:
         generator, (plan, _) = "pointwise", pointwise.match(sub)
     if plan is None or (generator == "pointwise" and not plan.steps):
         return None  # nothing lowers, or a copy: no kernel for it
-    args: list[tuple[str, str]] = []
-    for operand in plan.operands:
-        args.append(("node", operand.name) if operand.source == "input" else (operand.source, operand.name))
+    args = [_arg(operand) for operand in plan.operands]
     return Region(
         nodes=tuple(n["name"] for n in piece),
         out=piece[-1]["name"],
@@ -348,6 +329,11 @@ def _lower(a: TaskAnalysis, piece: list[dict[str, Any]]) -> Region | None:
         analysis=sub,
         plan=plan,
     )
+
+
+def _arg(operand: Any) -> tuple[str, str]:
+    """How a kernel operand comes from the graph: a value (``node``) or a weight."""
+    return ("node", operand.name) if operand.source == "input" else (operand.source, operand.name)
 
 
 def _bound(node: dict[str, Any]) -> dict[str, Any] | None:
