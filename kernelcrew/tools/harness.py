@@ -14,7 +14,7 @@ import copy
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -329,19 +329,63 @@ def zero_inputs(inputs: list[Any]) -> list[str]:
     return [path_label(p) for p, t in iter_tensors(inputs) if t.numel() > 0 and not bool(t.any())]
 
 
-def build_reference(task: Task, seed: int) -> tuple[Any, list[Any]]:
-    """Construct the task's Model under ``seed``, as every child does; returns it and its init args."""
+def build_reference(task: Task, seed: int, device: str = "cpu") -> tuple[Any, list[Any]]:
+    """Construct the task's Model under ``seed`` (:func:`construct_on` ``device``), as every child
+    does; returns it and its init args."""
     import torch
 
     torch.manual_seed(seed + INIT_SEED_OFFSET)
     init = call_inputs(task.get_init_inputs, "get_init_inputs", task.name)
     try:
-        model = task.model_cls(*init)
+        model = construct_on(device, lambda: task.model_cls(*init), seed + INIT_SEED_OFFSET)
     except Exception as exc:
         raise TaskError(
             f"Model(*get_init_inputs()) raised {type(exc).__name__}: {exc}", path=task.name
         ) from exc
     return model, init
+
+
+def construct_on(device: str, build: Callable[[], Any], seed: int) -> Any:
+    """``build()`` (a module's constructor) with ``device`` as the default device: a model of
+    GB of weights drew them on the CPU for seconds in every child, where a GPU takes
+    milliseconds. The weights differ from a CPU build's, but every child past the golden loads the
+    golden's.
+
+    The module is built again on the CPU, under ``seed`` again, when that raised (``__init__``
+    needs CPU tensors) or when it holds a tensor outside its parameters and buffers: a user's
+    ``Model(...).to(device)`` leaves such a tensor on the CPU, and a build on the device would hide
+    what that does to its forward."""
+    import torch
+
+    if device != "cpu":
+        try:
+            with torch.device(device):
+                model = build()
+            if not stray_tensors(model):
+                return model
+        except Exception:  # the CPU build below raises the constructor's own error, if any
+            pass
+        model = None
+        torch.manual_seed(seed)
+    return build()
+
+
+def stray_tensors(model: Any) -> list[str]:
+    """Attributes of ``model`` and its submodules (lists, tuples and dicts looked into) that hold
+    a tensor which is neither a parameter nor a buffer (what ``.to()`` does not move)."""
+    import torch
+
+    found: list[str] = []
+    if not isinstance(model, torch.nn.Module):
+        return found
+    moved = {id(t) for t in (*model.parameters(), *model.buffers())}  # an RNN's _flat_weights lists these
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            if any(id(t) not in moved for _, t in iter_tensors(value)):
+                found.append(f"{prefix}.{name}" if prefix else name)
+    return found
 
 
 def randomize_constant_parameters(model: Any, seed: int) -> list[str]:
@@ -547,7 +591,7 @@ def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     lap = Laps()
     try:
         task = load_task(payload["task_source"], path=payload["task_path"])
-        model, _ = build_reference(task, seed)
+        model, _ = build_reference(task, seed, device)
         sets, inputs_note = _input_sets(task, seed, int(payload["n_seeds"]), device)
     except TaskError as exc:
         raise StageError("task", str(exc)) from exc
@@ -765,13 +809,13 @@ def load_candidate_model(
     init = call_inputs(task.get_init_inputs, "get_init_inputs", task.name)
     try:
         with instrument_builds(source, report, path):  # extensions built in __init__ are recorded too
-            model = cls(*init)
+            model = construct_on(device, lambda: cls(*init), seed + INIT_SEED_OFFSET)
     except BaseException as exc:
         raise _stage_error_from(exc, "init", "ModelNew(*get_init_inputs()) raised", source, path) from exc
 
     reference = None
     if callable(getattr(model, "load_reference", None)):
-        reference, _ = build_reference(task, seed)
+        reference, _ = build_reference(task, seed, device)
         reference.load_state_dict(state)
         try:
             model.load_reference(reference)
@@ -1100,7 +1144,7 @@ def compile_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     device, seed = payload["device"], int(payload["seed"])
     apply_precision(payload["precision"])
     task = load_task(payload["task_source"], path=payload["task_path"])
-    reference, _ = build_reference(task, seed)
+    reference, _ = build_reference(task, seed, device)
     reference = reference.to(device).eval()
     inputs = _input_sets(task, seed, 1, device)[0][0]["inputs"]  # the golden's first seed set
     size = input_bytes(inputs)
@@ -1168,7 +1212,7 @@ def reference_server(payload: dict[str, Any], workdir: Path, channel: Any) -> di
     apply_precision(policy)
     task = load_task(payload["task_source"], path=payload["task_path"])
     input_lists, state = _timing_inputs(task, payload, workdir)
-    reference, _ = build_reference(task, seed)
+    reference, _ = build_reference(task, seed, device)
     reference.load_state_dict(state)
     reference = reference.to(device).eval()
     dev = timing._resolve_device(device)
@@ -1334,7 +1378,7 @@ def _profiled_model(payload: dict[str, Any], workdir: Path) -> tuple[Any, list[A
             task, payload["candidate_source"], payload["candidate_path"], seed, state, device
         )
         return model, inputs
-    model, _ = build_reference(task, seed)
+    model, _ = build_reference(task, seed, device)
     model.load_state_dict(state)
     return model.to(device).eval(), inputs
 

@@ -16,6 +16,7 @@ from kernelcrew.tools.harness import (
     _scaled_variant,
     _signed_variant,
     clone_tensors,
+    construct_on,
     copy_into,
     describe_inputs,
     inputs_unchanged,
@@ -144,6 +145,43 @@ def test_inputs_that_cannot_be_made_on_the_device_are_made_on_the_cpu_with_a_not
             torch.equal(a, b) and a.device.type == "cpu"
             for a, b in zip(made["inputs"], expected["inputs"], strict=True)
         )
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.rnn = torch.nn.GRU(4, 4)  # keeps its parameters in a list too (_flat_weights)
+        self.register_buffer("scale", torch.ones(4))
+
+
+class _Stray(_Plain):
+    def __init__(self):
+        super().__init__()
+        self.mask = [torch.ones(4)]  # an attribute .to() leaves where it was made
+
+
+class _NeedsCpu(_Plain):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.from_numpy(torch.arange(4).numpy())  # raises on another device
+
+
+def test_modules_are_built_on_the_device_unless_that_would_change_them():
+    # The meta device stands in for a GPU: a module whose tensors all move with .to() is built
+    # there; one that keeps a stray tensor, or whose __init__ needs the CPU, is built on the CPU
+    # (under the seed again), as a user's Model(...).to(device) would be.
+    assert next(construct_on("meta", _Plain, 3).parameters()).device.type == "meta"
+    for cls in (_Stray, _NeedsCpu):
+        built = construct_on("meta", cls, 3)
+        torch.manual_seed(3)
+        expected = cls()
+        assert all(p.device.type == "cpu" for p in built.parameters())
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(built.state_dict().values(), expected.state_dict().values(), strict=True)
+        )
+    assert next(construct_on("cpu", _Plain, 3).parameters()).device.type == "cpu"
 
 
 def test_constant_parameters_are_randomized(goldens):
