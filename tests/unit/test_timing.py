@@ -405,3 +405,49 @@ def test_timing_sets_fit_the_gpu_memory_of_both_processes():
     assert timing_sets(meta(1e6, 1e6, h100)) == [0, 1, 2, 3]
     assert timing_sets(meta(1e6, 1e6, None)) == [0, 1, 2, 3]  # a CPU golden: no device memory
     assert timing_sets(meta(50e9, 1e6, h100)) == [0]  # never none
+
+
+class ScriptedLane:
+    """A GPU process's lane as the parent sees it (no GPU here): each rep takes ``seen_ms`` of the
+    parent's clock and reports ``clock_ms`` of device time and ``host_ms`` of launches."""
+
+    def __init__(self, name: str, clock_ms: float, host_ms: float, seen_ms: float) -> None:
+        self.names = [name]
+        self.clock_ms, self.host_ms, self.seen_ms = clock_ms, host_ms, seen_ms
+
+    def info(self) -> dict[str, Any]:
+        return {"names": self.names, "l2_flush_bytes": 0, "lead_kernel": True, "sync_gap_ms": 0.0}
+
+    def warm_up(self, name: str, budget_s: float) -> dict[str, Any]:
+        return {"calls": 2, "est_ms": self.seen_ms, "lead_us": 50.0}
+
+    def rep(self, name: str, set_index: int, seed: int | None, lead_us: float) -> dict[str, Any]:
+        time.sleep(self.seen_ms / 1e3)
+        return {"clock_ms": self.clock_ms, "wall_ms": self.clock_ms + self.host_ms, "host_ms": self.host_ms}
+
+    def check(self, name: str) -> None:
+        pass
+
+    def keep(self, name: str, key: str, pick: int | None) -> None:
+        pass
+
+
+def test_a_launch_bound_call_is_timed_by_its_launches_and_not_taken_for_a_lie() -> None:
+    from kernelcrew.tools.timing import run_rounds
+
+    # eager: 4 ms on the device, launched in 0.2 ms; the candidate: 0.5 ms on the device but 3 ms
+    # of launches per call, two calls a rep (what the parent sees). Its time is its launches.
+    eager = ScriptedLane("eager", clock_ms=4.0, host_ms=0.2, seen_ms=9.0)
+    cand = ScriptedLane("cand", clock_ms=0.5, host_ms=3.0, seen_ms=7.0)
+    stats = run_rounds(
+        [eager, cand], device="cuda", config=quick(), baseline="eager", n_sets=1, trusted=["eager"]
+    )
+    assert stats["clock_lies"] == {}
+    assert stats["results"]["cand"]["median_ms"] == pytest.approx(3.0)
+    assert stats["ratios"]["cand"]["median"] == pytest.approx(4.0 / 3.0)
+    # the same parent-side time reported as 0.5 ms of launches too is a clock that lies
+    liar = ScriptedLane("cand", clock_ms=0.5, host_ms=0.4, seen_ms=7.0)
+    stats = run_rounds(
+        [eager, liar], device="cuda", config=quick(), baseline="eager", n_sets=1, trusted=["eager"]
+    )
+    assert "not trusted" in stats["clock_lies"]["cand"]
