@@ -963,13 +963,17 @@ def run_rounds(
             clock_ms[name] = span_ms[name]
     clock_arr = {name: np.asarray(clock_ms[name]) for name in names}
     wall_arr = {name: np.asarray(wall_ms[name]) for name in names}
-    lies = untrusted_clocks(seen_ms, clock_ms, trusted)
+    spun = is_cuda and all(lane.info()["lead_kernel"] for lane in lanes)
+    leads_ms = {name: [us / 1e3 for us in leads_used[name]] for name in names} if spun else None
+    lies = untrusted_clocks(seen_ms, clock_ms, trusted, leads_ms)
     graph_arr, graph_info, graph_seen = _graph_phase(
         lanes, owner, is_cuda, config, order_rng, clock_arr, started, floor_rounds
     )
     if graph_info["used"]:
         claimed = {n: [ms * graph_info["replays"][n] for ms in graph_arr[n]] for n in graph_arr}
-        for name, message in untrusted_clocks(graph_seen, claimed, trusted).items():
+        graph_leads = graph_info["lead_us"]
+        spins = {n: [graph_leads[n] / 1e3] * len(graph_seen[n]) for n in graph_seen} if graph_leads else None
+        for name, message in untrusted_clocks(graph_seen, claimed, trusted, spins).items():
             lies.setdefault(name, f"CUDA graph replays: {message}")
     if graph_info["used"]:
         for name in judged:
@@ -1034,28 +1038,40 @@ def run_rounds(
 
 
 def untrusted_clocks(
-    seen_ms: dict[str, Sequence[float]], clock_ms: dict[str, Sequence[float]], trusted: Sequence[str]
+    seen_ms: dict[str, Sequence[float]],
+    clock_ms: dict[str, Sequence[float]],
+    trusted: Sequence[str],
+    leads_ms: dict[str, Sequence[float]] | None = None,
 ) -> dict[str, str]:
     """Callables whose reported times this process's clock contradicts, with why.
 
     ``seen_ms`` are this process's times of each request (the round trip), ``clock_ms`` the times
     the lane reported for the same requests. The trusted callables' difference of the two is the
-    overhead of a request (fresh data, the channel, the checks); another callable is caught when
-    the parent saw, less that overhead, more than ``_CLOCK_TRUST_FACTOR`` times what it reported
-    plus ``_CLOCK_SLACK_MS`` and three times the overhead's interquartile spread. A lie smaller
-    than that (tens of microseconds on a quiet machine) is below what the parent can see.
+    overhead of a request (fresh data, the channel, the checks, their lead); another callable is
+    caught when the parent saw, less that overhead, more than ``_CLOCK_TRUST_FACTOR`` times what
+    it reported plus ``_CLOCK_SLACK_MS`` and three times the overhead's interquartile spread. A lie
+    smaller than that (tens of microseconds on a quiet machine) is below what the parent can see.
+
+    ``leads_ms`` are the leads this process asked for, per request: the device spins that long
+    before the timed call, outside what the lane reports. A callable given a longer lead than the
+    trusted ones' median (its launches took longer: it is charged those, :func:`run_rounds`) has
+    the difference taken off what the parent saw.
     """
     base = [s - c for n in trusted if n in seen_ms for s, c in zip(seen_ms[n], clock_ms[n], strict=True)]
     if not base:
         return {}
     overhead = float(np.median(base))
+    leads_ms = leads_ms or {}
+    trusted_leads = [lead for n in trusted for lead in leads_ms.get(n, ())]
+    usual_lead = float(np.median(trusted_leads)) if trusted_leads else 0.0
     q1, q3 = np.percentile(base, [25, 75])
     slack = _CLOCK_SLACK_MS + 3.0 * float(q3 - q1)
     lies = {}
     for name, seen in seen_ms.items():
         if name in trusted or not len(seen):
             continue
-        observed = float(np.median(np.asarray(seen) - overhead))
+        extra_lead = np.maximum(np.asarray(leads_ms.get(name, np.zeros(len(seen)))) - usual_lead, 0.0)
+        observed = float(np.median(np.asarray(seen) - extra_lead - overhead))
         reported = float(np.median(clock_ms[name]))
         if observed > _CLOCK_TRUST_FACTOR * reported + slack:
             lies[name] = (

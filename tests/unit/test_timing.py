@@ -422,7 +422,7 @@ class ScriptedLane:
         return {"calls": 2, "est_ms": self.seen_ms, "lead_us": 50.0}
 
     def rep(self, name: str, set_index: int, seed: int | None, lead_us: float) -> dict[str, Any]:
-        time.sleep(self.seen_ms / 1e3)
+        time.sleep((self.seen_ms + lead_us / 1e3) / 1e3)  # the device spins the lead first
         return {"clock_ms": self.clock_ms, "wall_ms": self.clock_ms + self.host_ms, "host_ms": self.host_ms}
 
     def check(self, name: str) -> None:
@@ -436,7 +436,8 @@ def test_a_launch_bound_call_is_timed_by_its_launches_and_not_taken_for_a_lie() 
     from kernelcrew.tools.timing import run_rounds
 
     # eager: 4 ms on the device, launched in 0.2 ms; the candidate: 0.5 ms on the device but 3 ms
-    # of launches per call, two calls a rep (what the parent sees). Its time is its launches.
+    # of launches per call, two calls a rep (what the parent sees), and a lead sized from those
+    # launches ahead of the timed call. Its time is its launches.
     eager = ScriptedLane("eager", clock_ms=4.0, host_ms=0.2, seen_ms=9.0)
     cand = ScriptedLane("cand", clock_ms=0.5, host_ms=3.0, seen_ms=7.0)
     stats = run_rounds(
