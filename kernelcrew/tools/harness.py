@@ -365,7 +365,7 @@ def construct_on(device: str, build: Callable[[], Any], seed: int) -> Any:
                 return model
         except Exception:  # the CPU build below raises the constructor's own error, if any
             pass
-        model = None
+        model = None  # the device build goes before the CPU one is made
         torch.manual_seed(seed)
     return build()
 

@@ -895,6 +895,7 @@ def run_rounds(
     span_ms: dict[str, list[float]] = {name: [] for name in names}
     wall_ms: dict[str, list[float]] = {name: [] for name in names}
     host_ms: dict[str, list[float]] = {name: [] for name in names}
+    device_ms: dict[str, list[float]] = {name: [] for name in names}  # the events alone
     seen_ms: dict[str, list[float]] = {name: [] for name in names}  # by this process's clock
     leads_used: dict[str, list[float]] = {name: [] for name in names}
     lead_short: dict[str, int] = dict.fromkeys(names, 0)
@@ -913,7 +914,8 @@ def run_rounds(
             # A launch-bound call (its launches outlast its device work) takes its host time: a
             # loop of calls waits for that, and the lead would hide it from the events.
             launched = float(rep["host_ms"])
-            clock_ms[name].append(max(float(rep["clock_ms"]), launched))
+            device_ms[name].append(float(rep["clock_ms"]))
+            clock_ms[name].append(max(device_ms[name][-1], launched))
             span = rep["span_ms"] if rep.get("span_ms") is not None else rep["clock_ms"]
             span_ms[name].append(max(float(span), launched))
             wall_ms[name].append(float(rep["wall_ms"]))
@@ -967,7 +969,14 @@ def run_rounds(
     leads_ms = {name: [us / 1e3 for us in leads_used[name]] for name in names} if spun else None
     lies = untrusted_clocks(seen_ms, clock_ms, trusted, leads_ms)
     graph_arr, graph_info, graph_seen = _graph_phase(
-        lanes, owner, is_cuda, config, order_rng, clock_arr, started, floor_rounds
+        lanes,
+        owner,
+        is_cuda,
+        config,
+        order_rng,
+        {n: np.asarray(t) for n, t in device_ms.items()},
+        started,
+        floor_rounds,
     )
     if graph_info["used"]:
         claimed = {n: [ms * graph_info["replays"][n] for ms in graph_arr[n]] for n in graph_arr}
@@ -1095,19 +1104,21 @@ def _graph_phase(
     is_cuda: bool,
     config: TimingConfig,
     rng: random.Random,
-    clock_arr: dict[str, np.ndarray],
+    device_arr: dict[str, np.ndarray],
     started: float,
     floor_rounds: int,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, list[float]]]:
     """CUDA-graph replay timings of every callable, or of none; ``(times per name, info, this
     process's time of each request)``.
 
-    Each graph's static output is kept for judging (``graph:NAME``, input set 0)."""
+    ``device_arr`` are the callables' event times (launches not included): a graph serves the
+    calls whose device work is short. Each graph's static output is kept for judging
+    (``graph:NAME``, input set 0)."""
     info: dict[str, Any] = {"used": False, "reason": "", "replays": {}, "lead_us": {}, "rounds": 0}
     if not is_cuda:
         info["reason"] = "CPU: no CUDA graphs"
         return {}, info, {}
-    medians_us = {name: float(np.median(times)) * 1e3 for name, times in clock_arr.items()}
+    medians_us = {name: float(np.median(times)) * 1e3 for name, times in device_arr.items()}
     fastest = min(medians_us, key=medians_us.__getitem__)
     if medians_us[fastest] >= config.graph_threshold_us:
         info["reason"] = f"every callable's median is at least {config.graph_threshold_us:g} us"
