@@ -446,8 +446,8 @@ def test_a_launch_bound_call_is_timed_by_its_launches_and_not_taken_for_a_lie() 
     assert stats["clock_lies"] == {}
     assert stats["results"]["cand"]["median_ms"] == pytest.approx(3.0)
     assert stats["ratios"]["cand"]["median"] == pytest.approx(4.0 / 3.0)
-    # the same parent-side time reported as 0.5 ms of launches too is a clock that lies
-    liar = ScriptedLane("cand", clock_ms=0.5, host_ms=0.4, seen_ms=7.0)
+    # 12 ms seen by the parent, reported as 0.5 ms with 0.4 ms of launches: a clock that lies
+    liar = ScriptedLane("cand", clock_ms=0.5, host_ms=0.4, seen_ms=12.0)
     stats = run_rounds(
         [eager, liar], device="cuda", config=quick(), baseline="eager", n_sets=1, trusted=["eager"]
     )
