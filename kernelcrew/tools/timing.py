@@ -965,8 +965,10 @@ def run_rounds(
             clock_ms[name] = span_ms[name]
     clock_arr = {name: np.asarray(clock_ms[name]) for name in names}
     wall_arr = {name: np.asarray(wall_ms[name]) for name in names}
-    spun = is_cuda and all(lane.info()["lead_kernel"] for lane in lanes)
-    leads_ms = {name: [us / 1e3 for us in leads_used[name]] for name in names} if spun else None
+    lead_kernel = all(lane.info()["lead_kernel"] for lane in lanes)
+    leads_ms = (
+        {name: [us / 1e3 for us in leads_used[name]] for name in names} if is_cuda and lead_kernel else None
+    )
     lies = untrusted_clocks(seen_ms, clock_ms, trusted, leads_ms)
     graph_arr, graph_info, graph_seen = _graph_phase(
         lanes,
@@ -991,7 +993,6 @@ def run_rounds(
             taken[f"graph:{name}"] = (name, 0, None, pick)
         for lane in lanes:
             lane.drop_graphs()
-    lead_kernel = all(lane.info()["lead_kernel"] for lane in lanes)
 
     results: dict[str, dict[str, Any]] = {}
     for name in names:
