@@ -63,6 +63,19 @@ def is_better(new: Candidate, best: Candidate | None, device: str) -> bool:
     return new.time_ms < best.time_ms * (1 - NOISE)
 
 
+def at_parity(new: Candidate, runner_up: Candidate | None) -> bool:
+    """Whether ``new`` (verified and timed on a GPU, not significantly faster than eager) should
+    replace ``runner_up``: its speedup's interval reaches 1 (not significantly slower than eager)
+    and it is faster than the runner-up."""
+    if new.verdict != "pass" or new.time_ms is None or new.speedup_eager is None:
+        return False
+    ci = new.speedup_eager_ci or []
+    high = ci[1] if len(ci) == 2 and ci[1] is not None else new.speedup_eager * (1 + NOISE)
+    if high < 1.0:
+        return False
+    return runner_up is None or runner_up.time_ms is None or new.time_ms < runner_up.time_ms
+
+
 def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     """Record the finished step, update the best, and set ``stop_reason`` when the run is done."""
     ctx = runtime.context
@@ -110,6 +123,9 @@ def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             since_gain = 0
         else:
             since_gain += 1
+            parity = best is None and draft is not None and opts.device != "cpu"
+            if parity and at_parity(draft, state.runner_up):
+                update["runner_up"] = draft
         update["iterations"] = [record]
         ctx.emit(
             "decide",
@@ -298,6 +314,9 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     ctx = runtime.context
     opts = state.options
     started = time.time()
+    promoted = state.best is None and state.runner_up is not None
+    if promoted:
+        state = replace(state, best=state.runner_up)
     profiled, ncu_note = profile_answer(state, ctx)
     if profiled is not state.best:
         state = replace(state, best=profiled)
@@ -336,7 +355,7 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         write_report(ctx.out_dir, report, best_py)
         with (ctx.out_dir / "report.md").open("a") as md:
             md.write("\n".join(budget_lines(report)) + "\n")
-    return {**update, "report": report, **({"best": state.best} if ncu_note.get("ncu_s") else {})}
+    return {**update, "report": report, **({"best": state.best} if promoted or ncu_note.get("ncu_s") else {})}
 
 
 def profile_answer(state: CrewState, ctx: CrewContext) -> tuple[Candidate | None, dict[str, Any]]:
@@ -410,6 +429,12 @@ def answer(state: CrewState, report: Report) -> dict[str, str]:
         return {
             "answer": "compiler",
             "why": f"no faster candidate of the run was verified; {fallback.get('why', '')}",
+        }
+    if best is not None and state.runner_up is not None and best.id == state.runner_up.id:
+        return {
+            "answer": "candidate",
+            "why": f"{best.strategy} ({best.kind}), verified: the fastest verified candidate, not "
+            "significantly slower than eager (no step's timing showed one significantly faster)",
         }
     if best is not None:
         return {"answer": "candidate", "why": f"{best.strategy} ({best.kind}), verified"}

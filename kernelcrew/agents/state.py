@@ -120,6 +120,9 @@ class CrewState:
     best: Candidate | None = None
     """The best verified candidate so far (the answer); the coder branches from it when the step
     names no parent."""
+    runner_up: Candidate | None = None
+    """The fastest verified candidate that was not significantly slower than eager (GPU): the
+    answer, labelled not significantly faster, when no candidate became the best."""
     tried: list[str] = field(default_factory=list)
     """Strategies (with their parameters) already tried, whatever came of them."""
     iterations: Annotated[list[dict[str, Any]], operator.add] = field(default_factory=list)

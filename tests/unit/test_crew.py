@@ -9,14 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from kernelcrew.agents.decide import is_better
+from kernelcrew.agents.decide import answer, at_parity, decide, is_better
 from kernelcrew.agents.llm import ReplayChat
 from kernelcrew.agents.planner import parse_guidance
 from kernelcrew.agents.run import OptimizeRequest, run_optimize
-from kernelcrew.agents.state import Candidate
+from kernelcrew.agents.state import Candidate, CrewState, Options, PlanStep
 from kernelcrew.config import Settings
 from kernelcrew.records import Report
 from kernelcrew.tools.correctness import verify
@@ -312,6 +313,27 @@ def test_a_gain_counts_only_when_significant_and_beyond_noise():
     assert is_better(_cand(kind="compiler"), None, "cpu")
     assert not is_better(_cand(kind="compiler", time_ms=0.001), _cand(kind="kernel", time_ms=9.0), "cpu")
     assert is_better(_cand(kind="kernel"), _cand(kind="compiler"), "cpu")
+
+
+def test_a_verified_candidate_as_fast_as_eager_is_the_runner_up_and_the_answer_without_a_best():
+    """Not significantly faster, not significantly slower: kept as the runner-up (the fastest
+    such), never the best; with no best at the end it is the answer, labelled as what it is."""
+    even = _cand(id="c1", time_ms=1.0, speedup_eager=1.0, speedup_eager_ci=[0.97, 1.03])
+    assert at_parity(even, None)
+    assert not at_parity(_cand(time_ms=1.3, speedup_eager=0.77, speedup_eager_ci=[0.75, 0.79]), None)
+    assert not at_parity(_cand(time_ms=1.1, speedup_eager=0.99, speedup_eager_ci=[0.95, 1.02]), even)
+    assert not at_parity(_cand(verdict="fail", time_ms=0.9, speedup_eager=1.1), None)
+
+    runtime = SimpleNamespace(context=SimpleNamespace(emit=lambda *a, **k: None, meter=None))
+    plan = PlanStep(strategy="s", rationale="r", expected_gain=1.5)
+    state = CrewState(task_source="", plan=plan, draft=even, options=Options(device="cuda"))
+    update = decide(state, runtime)
+    assert "best" not in update and update["runner_up"] is even
+    assert "runner_up" not in decide(CrewState(task_source="", plan=plan, draft=even), runtime), "CPU"
+
+    state = CrewState(task_source="", best=even, runner_up=even, options=Options(device="cuda"))
+    got = answer(state, Report(status="no_significant_gain", best={"id": "c1", "strategy": "s"}))
+    assert got["answer"] == "candidate" and "not significantly slower than eager" in got["why"]
 
 
 def test_status_says_verified_but_not_faster_apart_from_nothing_verified():
