@@ -22,8 +22,9 @@
 Pass rule, per output: exact dtype and shape; every element judged against the float64 golden:
 NaN only where it is NaN, Inf only where it is that Inf or beyond the dtype's range with that sign,
 every finite value within ``atol + rtol*|golden|`` with ``atol`` scaled to the RMS of the
-representable goldens; and relative L2 error within ``max(floor, 4 x PyTorch's own error)``.
-PyTorch's own output is only that measure, never a licence. Integer and boolean outputs must match
+representable goldens (or twice PyTorch's own error at that element; or, for every element over
+that, PyTorch's own largest error on the output); and relative L2 error within
+``max(floor, 4 x PyTorch's own error)``. PyTorch's own output is only that measure, never a licence. Integer and boolean outputs must match
 exactly.
 """
 
@@ -206,6 +207,12 @@ class _Metrics:
     #: the largest error as a fraction of its element's limit (1.0: at the limit)
     used: float = 0.0
     dtype: str = "float32"
+    #: the largest error of an element over its limit, and PyTorch's own largest error on the
+    #: output (where its output is finite): when the first is within the second, no element is
+    #: off by more than PyTorch itself is somewhere, and those elements pass (``within_pytorch``)
+    over_max: float = 0.0
+    native_max: float = 0.0
+    within_pytorch: int = 0
 
     def verdict(self, tol: Tolerance) -> dict[str, Any]:
         l2_limit = max(tol.l2_floor, 4.0 * self.ref_l2)
@@ -221,6 +228,8 @@ class _Metrics:
         }
         if self.beyond_range:
             metrics["beyond_range"] = self.beyond_range
+        if self.within_pytorch:
+            metrics["within_pytorch_max_error"] = self.within_pytorch
         if self.nonfinite:
             cand, gold = self.nonfinite_values or (math.nan, math.nan)
             return {
@@ -246,7 +255,8 @@ class _Metrics:
                 "stage": "correctness",
                 "message": f"{self.over} of {self.judged} elements outside atol {self.atol:.3g} + rtol "
                 f"{tol.rtol:g}*|ref| and twice PyTorch's own error there (max abs error {self.max_abs:.3g}, "
-                f"relative L2 {self.rel_l2:.3g}; first at {self.first_bad}{where})",
+                f"above PyTorch's own largest error {self.native_max:.3g}; relative L2 {self.rel_l2:.3g}; "
+                f"first at {self.first_bad}{where})",
                 "first_bad_index": self.first_bad,
             }
         if self.rel_l2 > l2_limit:
@@ -396,12 +406,16 @@ def _judge_float(
             # rounding, far above an atol scaled to the outputs' RMS. Where PyTorch's output is
             # not finite, nothing is added.
             if native_allowance:
-                own = torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0).mul_(NATIVE_ERROR_FACTOR).add_(atol)
-                limit = torch.maximum(limit, own)
+                own = torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0)
+                if own.numel():
+                    m.native_max = max(m.native_max, float(own.max()))
+                limit = torch.maximum(limit, own.mul_(NATIVE_ERROR_FACTOR).add_(atol))
             if err.numel():
                 m.used = max(m.used, float((err / limit).max()))
             bad = err > limit  # err is 0 where not judged
             count = int(bad.sum())
+            if count:
+                m.over_max = max(m.over_max, float(err[bad].max()))
             if count and first is None:
                 at = int(bad.nonzero()[0])
                 first = start + at
@@ -428,6 +442,7 @@ def _judge_float(
             max(m.used, part_m.used),
         )
         m.over += part_m.over
+        m.over_max, m.native_max = max(m.over_max, part_m.over_max), max(m.native_max, part_m.native_max)
         m.nonfinite += part_m.nonfinite
         m.beyond_range += part_m.beyond_range
         if m.first_nonfinite is None and part_m.first_nonfinite is not None:
@@ -436,6 +451,12 @@ def _judge_float(
             first, m.first_bad_beyond = part_first, part_m.first_bad_beyond
     denom = math.sqrt(sq_gold) if sq_gold > 0 else 1.0
     m.rel_l2, m.ref_l2 = math.sqrt(sq_err) / denom, math.sqrt(sq_ref) / denom
+    if m.over and native_allowance and m.over_max <= m.native_max:
+        # Near-zero outputs of an ill-conditioned op (GELU's tail after a min, a difference of
+        # nearly equal values) carry rounding that differs between two correct float32 codes by
+        # more than twice PyTorch's error at that element, yet no more than PyTorch's own error
+        # elsewhere on the output; the relative L2 bound still holds the output as a whole.
+        m.within_pytorch, m.over, first = m.over, 0, None
     m.first_bad = None if first is None else _unravel(first, tuple(golden.shape))
     return m.verdict(tol)
 

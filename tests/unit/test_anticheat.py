@@ -690,3 +690,22 @@ def test_a_nan_in_a_later_slice_still_reaches_the_non_finite_rule(monkeypatch):
     bad[29, 1] = float("inf")
     res = compare_output(bad, g, n, tolerance_for("float32", "pointwise", "strict"))
     assert res["stage"] == "nan" and res["first_bad_index"] == [29, 1]
+
+
+def test_elements_off_by_no_more_than_pytorchs_largest_error_pass_and_beyond_it_fail():
+    """Mostly exact zeros (a tiny RMS, so a tiny atol) and a few near-zero tail values: a candidate
+    whose errors there stay within PyTorch's own largest error on the output passes; one element
+    off by more than PyTorch ever is fails, however few."""
+    g = torch.zeros(4096, dtype=torch.float64)
+    g[:64] = torch.linspace(-1e-3, -1e-6, 64, dtype=torch.float64)
+    n = g.float()
+    n[7] += 3e-7  # PyTorch's own worst rounding in the tail
+    tol = tolerance_for("float32", "pointwise", "strict")
+    cand = g.float()
+    cand[20] += 2e-7  # differently rounded, no worse than PyTorch's worst
+    res = compare_output(cand, g, n, tol)
+    assert res["ok"] and res["within_pytorch_max_error"] == 1, res
+    cand[30] += 1e-6  # beyond anything PyTorch does on this output
+    res = compare_output(cand, g, n, tol)
+    assert not res["ok"] and res["stage"] == "correctness", res
+    assert "above PyTorch's own largest error" in res["message"]
