@@ -267,8 +267,11 @@ def run_bench(
             )
         except TaskError as exc:  # a broken task is a row with its error, not the end of the suite
             out.print(f"[red]{path.stem}: {exc}[/]")
-            report = None
             rows[path.stem] = {**row_from_report(path.stem, None, time.monotonic() - t0), "error": str(exc)}
+        except Exception as exc:  # nor is a fault of the crew's on one task: the row says what it was
+            why = f"internal error: {type(exc).__name__}: {str(exc)[:1000]}"
+            out.print(f"[red]{path.stem}: {why}[/]")
+            rows[path.stem] = {**row_from_report(path.stem, None, time.monotonic() - t0), "error": why}
         else:
             rows[path.stem] = row_from_report(path.stem, report, time.monotonic() - t0)
         data["rows"] = [rows[p.stem] for p in suite_tasks(suite_dir) if p.stem in rows]

@@ -487,3 +487,26 @@ def test_kernelbench_rows_of_another_gpu_model_are_not_seeded(tmp_path):
     assert seed_shards(results, ["l1_a"], ["0"], out, "cuda", model="h200") == 0
     assert not (out / "gpu0" / "suite.json").exists()
     assert seed_shards(results, ["l1_a"], ["0"], out, "cuda", model="h100-sxm") == 1
+
+
+def test_a_fault_of_the_crew_on_one_task_is_its_rows_error_and_the_suite_goes_on(tmp_path, monkeypatch):
+    from kernelcrew.agents import run
+    from kernelcrew.benchmark import run_bench
+
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    for name in ("a", "b"):
+        shutil.copy(FIXTURES / "tasks" / "pointwise.py", suite / f"{name}.py")
+    optimize = run.run_optimize
+
+    def faulty(request, **kw):
+        if request.task.stem == "a":
+            raise RuntimeError("a plan the crew could not hold")
+        return optimize(request, **kw)
+
+    monkeypatch.setattr(run, "run_optimize", faulty)
+    data = run_bench(suite, tmp_path / "out", device="cpu", max_iters=1, compile_modes="none", quick=True)
+    rows = {r["task"]: r for r in data["rows"]}
+    assert rows["a"]["status"] == "error" and not rows["a"]["verified"]
+    assert rows["a"]["error"] == "internal error: RuntimeError: a plan the crew could not hold"
+    assert rows["b"]["verified"], rows["b"]
