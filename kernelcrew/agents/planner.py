@@ -30,7 +30,11 @@ from kernelcrew.agents.guidance import parse_commands
 from kernelcrew.agents.guidance import parse_guidance as parse_guidance  # re-exported
 from kernelcrew.agents.knowledge import hits_text, task_hits
 from kernelcrew.agents.profiler import expected_compile_s
-from kernelcrew.agents.state import CrewState, PlanStep
+from kernelcrew.agents.state import RATIONALE_CHARS, CrewState, PlanStep
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def step_key(strategy: str, params: dict[str, Any]) -> str:
@@ -78,7 +82,7 @@ def _menu(state: CrewState) -> list[PlanStep]:
             steps.append(
                 PlanStep(
                     strategy=strategy.name,
-                    rationale=reason,
+                    rationale=_shorten(reason, RATIONALE_CHARS),
                     expected_gain=gain,
                     params=params,
                     source="playbook",

@@ -15,11 +15,16 @@ BASELINE_SHARE = 0.4
 timing get the rest (docs/playbook.md#how-the-budget-is-spent)."""
 
 
+RATIONALE_CHARS = 2000
+"""The longest rationale a step holds (a playbook strategy's reason for a module of a hundred
+parts is cut to it; a model's longer one is asked again)."""
+
+
 class PlanStep(BaseModel):
     """One next step, as the planner returns it (validated: an invalid answer is re-asked)."""
 
     strategy: str = Field(min_length=1, max_length=80, description="A playbook strategy or custom:<name>.")
-    rationale: str = Field(min_length=1, max_length=2000)
+    rationale: str = Field(min_length=1, max_length=RATIONALE_CHARS)
     expected_gain: float = Field(gt=0, le=1000, description="Expected speedup of this step (1.3 = 30%).")
     params: dict[str, Any] = Field(default_factory=dict)
     source: str = Field("playbook", description="Who proposed it: playbook or llm.")

@@ -397,7 +397,20 @@ out = model(x)
 (graph,) = model._graphs.values()
 called = [getattr(n.target, "__name__", n.target) for n in graph.graph.nodes if n.op != "placeholder"]
 err = float((out - module._Reference.forward(model, x)).abs().max())
-print(json.dumps({"called": called, "timed": len(module._LAYOUTS), "err": err}))
+# the channels-last call itself, on the CPU: the same output as the module's call, contiguous
+convs = [
+    (torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=2), 4),
+    (torch.nn.ConvTranspose3d(4, 6, (1, 3, 2), stride=(1, 2, 2), padding=1), 5),
+    (torch.nn.Conv2d(4, 6, 3, stride=2, padding=2, groups=2, padding_mode="reflect"), 4),
+    (torch.nn.Conv3d(4, 6, 3, padding=1, dilation=(1, 2, 1)), 5),
+]
+layouts = []
+for conv, rank in convs:
+    x = torch.randn(2, 4, *([7] * (rank - 2)))
+    fmt = torch.channels_last if rank == 4 else torch.channels_last_3d
+    got = module._channels_last_call(conv, x, fmt)
+    layouts.append([got.is_contiguous(), float((got - conv(x)).abs().max())])
+print(json.dumps({"called": called, "timed": len(module._LAYOUTS), "err": err, "layouts": layouts}))
 """
 
 
@@ -419,3 +432,5 @@ def test_library_convolutions_go_through_the_layout_choice(tmp_path):
     assert "conv_tf32x3" in found["called"] and "up" not in found["called"], found
     assert found["timed"] == 0  # nothing timed on a CPU
     assert found["err"] < 1e-4
+    for contiguous, err in found["layouts"]:
+        assert contiguous and err < 1e-5, found["layouts"]

@@ -580,3 +580,16 @@ def test_a_compile_mode_the_baseline_timed_no_faster_than_eager_is_not_a_step():
     assert "torch_compile" not in names(eager_ms=1.0, compile_ms={"default": 0.99})  # within noise
     assert "torch_compile" in names(eager_ms=1.0, compile_ms={"default": 0.9})
     assert "torch_compile" in names("cpu", eager_ms=1.0, compile_ms={"default": 2.0})
+
+
+def test_a_strategys_reason_for_a_module_of_a_hundred_parts_is_cut_to_a_steps_rationale(monkeypatch):
+    """A reason longer than a step's rationale may be (the parts of a deep CNN listed) is cut, not
+    an error that ends the run."""
+    from kernelcrew.agents import planner, playbook
+    from kernelcrew.agents.state import RATIONALE_CHARS
+
+    strategy = playbook.get_strategy("torch_compile")
+    monkeypatch.setattr(playbook, "applicable", lambda analysis: [(strategy, "region; " * 1000)])
+    state = CrewState(task_source="", options=Options(device="cpu"), baseline={"analysis": {}})
+    (step,) = planner._menu(state)
+    assert len(step.rationale) == RATIONALE_CHARS and step.rationale.endswith("...")

@@ -119,7 +119,10 @@ def match(analysis: TaskAnalysis) -> tuple[AnchoredPlan | None, str]:
         plan = _match(analysis)
     except Unsupported as exc:
         return None, str(exc)
-    ops = "; ".join(f"{r.generator}: {', '.join(dict.fromkeys(r.ops))}" for r in plan.regions)
+    by_generator: dict[str, list[str]] = {}
+    for r in plan.regions:
+        by_generator.setdefault(r.generator, []).extend(r.ops)
+    ops = "; ".join(f"{g}: {', '.join(dict.fromkeys(o))}" for g, o in by_generator.items())
     anchors = ", ".join(dict.fromkeys(plan.anchors)) or "none"
     left = f"; left to torch: {', '.join(plan.left)}" if plan.left else ""
     convs = f"; {len(plan.convs)} float32 convolution(s) as own TF32x3 kernels" if plan.convs else ""
@@ -739,20 +742,37 @@ def _conv_in_layout(conv, x):
             return conv(x)
         seen[key] = _channels_last_faster(conv, x, fmt)
     if seen[key]:
-        return conv(x.contiguous(memory_format=fmt)).contiguous()
+        return _channels_last_call(conv, x, fmt)
     return conv(x)
 
 
+def _channels_last_call(conv, x, fmt):
+    """``conv(x)`` with its input and weight in ``fmt`` (cuDNN runs a transposed convolution in
+    its weight's format), its output made contiguous."""
+    x = x.contiguous(memory_format=fmt)
+    weight = conv.weight.contiguous(memory_format=fmt)
+    if isinstance(conv, (nn.ConvTranspose2d, nn.ConvTranspose3d)) and conv.padding_mode == "zeros":
+        dims = x.dim() - 2
+        pad = conv._output_padding(x, None, conv.stride, conv.padding, conv.kernel_size, dims, conv.dilation)
+        transposed = F.conv_transpose2d if dims == 2 else F.conv_transpose3d
+        out = transposed(x, weight, conv.bias, conv.stride, conv.padding, pad, conv.groups, conv.dilation)
+    elif isinstance(conv, (nn.Conv2d, nn.Conv3d)):
+        out = conv._conv_forward(x, weight, conv.bias)
+    else:
+        out = conv(x)
+    return out.contiguous()
+
+
 def _channels_last_faster(conv, x, fmt, reps=3):
-    """Whether ``conv`` on ``x`` converted to ``fmt``, its output made contiguous, runs more than
-    5 % faster than on ``x`` as it is: the medians of ``reps`` timed calls of each, after a
+    """Whether ``conv`` in ``fmt`` (:func:`_channels_last_call`) runs more than 5 % faster than on
+    ``x`` as it is: the medians of ``reps`` timed calls of each, after a
     warm-up call of each (cuDNN's algorithm choice, its workspace)."""
 
     def plain():
         conv(x)
 
     def converted():
-        conv(x.contiguous(memory_format=fmt)).contiguous()
+        _channels_last_call(conv, x, fmt)
 
     times = {{plain: [], converted: []}}
     with torch.no_grad():
