@@ -22,10 +22,10 @@
 Pass rule, per output: exact dtype and shape; every element judged against the float64 golden:
 NaN only where it is NaN, Inf only where it is that Inf or beyond the dtype's range with that sign,
 every finite value within ``atol + rtol*|golden|`` with ``atol`` scaled to the RMS of the
-representable goldens (or twice PyTorch's own error at that element; or, for every element over
-that, PyTorch's own largest error on the output); and relative L2 error within
-``max(floor, 4 x PyTorch's own error)``. PyTorch's own output is only that measure, never a licence. Integer and boolean outputs must match
-exactly.
+representable goldens (or twice PyTorch's own error at that element; or, when every element over
+that is off by no more than PyTorch's own largest error on the output, that); and relative L2
+error within ``max(floor, 4 x PyTorch's own error)``. PyTorch's own output is only that measure,
+never a licence. Integer and boolean outputs must match exactly.
 """
 
 from __future__ import annotations

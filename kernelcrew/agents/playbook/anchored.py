@@ -20,8 +20,8 @@ them. :func:`match` walks the traced graph in order and splits it into
   (parameter ``conv``; ``"library"`` keeps cuDNN's): each such module call of the traced graph
   calls the kernel instead. The other 2-D and 3-D convolutions (transposed ones among them) stay
   cuDNN's, run channels-last where the first call of an input signature times that more than 5 %
-  faster (input converted, output made contiguous again): cuDNN picks its algorithm by memory
-  format too, and which is faster depends on the shapes.
+  faster (input and weight converted, output made contiguous again): cuDNN picks its algorithm
+  by memory format too, and which is faster depends on the shapes.
 
 The generators are reused on a *sub-analysis*: a copy of the piece's nodes whose outside values
 are placeholders (weights stay the module's own). A reduction over other dims than the last
@@ -729,9 +729,9 @@ def _in_layout(conv):
 
 
 def _conv_in_layout(conv, x):
-    """``conv(x)``, on a CUDA input run channels-last (input converted, output made contiguous
-    again, so the rest of the graph sees what the reference's does) where the first call with
-    this input signature timed that clearly faster."""
+    """``conv(x)``, on a CUDA input run channels-last (:func:`_channels_last_call`: the rest of
+    the graph sees what the reference's does) where the first call with this input signature
+    timed that clearly faster."""
     if not (torch.is_tensor(x) and x.is_cuda and x.dim() in (4, 5)):
         return conv(x)
     fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
@@ -765,8 +765,8 @@ def _channels_last_call(conv, x, fmt):
 
 def _channels_last_faster(conv, x, fmt, reps=3):
     """Whether ``conv`` in ``fmt`` (:func:`_channels_last_call`) runs more than 5 % faster than on
-    ``x`` as it is: the medians of ``reps`` timed calls of each, after a
-    warm-up call of each (cuDNN's algorithm choice, its workspace)."""
+    ``x`` as it is: the medians of ``reps`` timed calls of each, after a warm-up call of each
+    (cuDNN's algorithm choice, its workspace)."""
 
     def plain():
         conv(x)
