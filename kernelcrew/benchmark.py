@@ -265,11 +265,12 @@ def run_bench(
                 ),
                 console=out,
             )
-        except TaskError as exc:  # a broken task is a row with its error, not the end of the suite
-            out.print(f"[red]{path.stem}: {exc}[/]")
-            rows[path.stem] = {**row_from_report(path.stem, None, time.monotonic() - t0), "error": str(exc)}
-        except Exception as exc:  # nor is a fault of the crew's on one task: the row says what it was
-            why = f"internal error: {type(exc).__name__}: {str(exc)[:1000]}"
+        except Exception as exc:  # a broken task, or a fault of the crew's on it, is a row with its error
+            why = (
+                str(exc)
+                if isinstance(exc, TaskError)
+                else f"internal error: {type(exc).__name__}: {str(exc)[:1000]}"
+            )
             out.print(f"[red]{path.stem}: {why}[/]")
             rows[path.stem] = {**row_from_report(path.stem, None, time.monotonic() - t0), "error": why}
         else:
