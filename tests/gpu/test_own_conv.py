@@ -57,38 +57,3 @@ def test_own_tf32x3_kernels_verify_on_the_gpu(tmp_path, name):
     )  # fmt: skip
     assert report["verdict"] == "pass", report.get("message")
     assert report["kind"] == "kernel", report
-
-
-def test_library_convolutions_run_channels_last_where_timed_faster(tmp_path, monkeypatch):
-    """A transposed 3-D convolution stays cuDNN's: its first call times both memory formats and
-    records the choice, and channels-last (forced here) gives the reference's output, contiguous."""
-    import importlib.util
-
-    import torch
-
-    source = _task(
-        "self.up = nn.ConvTranspose3d(32, 64, 3, stride=2)",
-        "return torch.relu(self.up(x)) * 0.5",
-        "torch.randn(4, 32, 12, 16, 16)",
-    )
-    analysis = local_analysis(source)
-    params = tuning_space("anchored_fusion", analysis, "sm_90")[0]
-    path = tmp_path / "candidate.py"
-    path.write_text(generate("anchored_fusion", source, analysis, params))
-    spec = importlib.util.spec_from_file_location("layout_candidate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    torch.manual_seed(0)
-    model = module.ModelNew().cuda()
-    x = torch.randn(4, 32, 12, 16, 16, device="cuda")
-    with torch.no_grad():
-        want = module._Reference.forward(model, x)
-        got = model(x)
-        ((conv, choices),) = module._LAYOUTS.values()
-        assert conv is model.up and list(choices.values()) in ([True], [False])
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        module._LAYOUTS.clear()
-        monkeypatch.setattr(module, "_channels_last_faster", lambda *args: True)
-        forced = model(x)
-    assert forced.is_contiguous()
-    torch.testing.assert_close(forced, want, rtol=1e-4, atol=1e-4)

@@ -18,10 +18,9 @@ them. :func:`match` walks the traced graph in order and splits it into
 * *float32 convolutions* (``nn.Conv1d/2d/3d`` that :func:`.conv.eligible` gives the kernel: enough
   channels per group and output tiles) run as :mod:`.conv`'s own implicit-GEMM kernel in TF32x3
   (parameter ``conv``; ``"library"`` keeps cuDNN's): each such module call of the traced graph
-  calls the kernel instead. The other 2-D and 3-D convolutions (transposed ones among them) stay
-  cuDNN's, run channels-last where the first call of an input signature times that more than 5 %
-  faster (input and weight converted, output made contiguous again): cuDNN picks its algorithm
-  by memory format too, and which is faster depends on the shapes.
+  calls the kernel instead. The other convolutions stay cuDNN's, in the reference's memory format
+  (channels-last timed slower than contiguous on the float32 convolution tasks tried on an H100,
+  see docs/playbook.md).
 
 The generators are reused on a *sub-analysis*: a copy of the piece's nodes whose outside values
 are placeholders (weights stay the module's own). A reduction over other dims than the last
@@ -651,8 +650,7 @@ forward with torch.fx per input signature and runs that graph with each region's
 by one call of the region's own Triton kernel:
 {summary}
 Anchors kept as torch calls: {anchors}. Fusible ops left to torch: {left}.
-Float32 convolutions run by the own implicit-GEMM kernel in TF32x3: {conv_note}; the other 2-D and
-3-D ones run channels-last where that times faster on their input.
+Float32 convolutions run by the own implicit-GEMM kernel in TF32x3: {conv_note}.
 """
 
 import math
@@ -700,96 +698,6 @@ def _own_convs(root, graph, weights):
         graph.erase_node(node)
 
 
-#: id(conv module) -> (the module, {{input signature: whether it runs channels-last}}); the module is
-#: held so that its id is never another's
-_LAYOUTS = {{}}
-
-
-def _library_convs(root, graph):
-    """Each one-argument call of a library convolution (2-D or 3-D, transposed or not) goes
-    through _conv_in_layout, which runs it in the faster memory format for its input: cuDNN's
-    algorithms differ by memory format, and which one is faster depends on the shapes."""
-    for node in list(graph.nodes):
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
-            continue
-        module = root.get_submodule(node.target)
-        if not isinstance(module, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-            continue
-        with graph.inserting_before(node):
-            call = graph.call_function(_in_layout(module), node.args)
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-
-
-def _in_layout(conv):
-    def conv_in_layout(x):
-        return _conv_in_layout(conv, x)
-
-    return conv_in_layout
-
-
-def _conv_in_layout(conv, x):
-    """``conv(x)``, on a CUDA input run channels-last (:func:`_channels_last_call`: the rest of
-    the graph sees what the reference's does) where the first call with this input signature
-    timed that clearly faster."""
-    if not (torch.is_tensor(x) and x.is_cuda and x.dim() in (4, 5)):
-        return conv(x)
-    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-    seen = _LAYOUTS.setdefault(id(conv), (conv, {{}}))[1]
-    key = (tuple(x.shape), x.stride(), x.dtype, x.device, torch.is_grad_enabled())
-    if key not in seen:
-        if torch.cuda.is_current_stream_capturing():
-            return conv(x)
-        seen[key] = _channels_last_faster(conv, x, fmt)
-    if seen[key]:
-        return _channels_last_call(conv, x, fmt)
-    return conv(x)
-
-
-def _channels_last_call(conv, x, fmt):
-    """``conv(x)`` with its input and weight in ``fmt`` (cuDNN runs a transposed convolution in
-    its weight's format), its output made contiguous."""
-    x = x.contiguous(memory_format=fmt)
-    weight = conv.weight.contiguous(memory_format=fmt)
-    if isinstance(conv, (nn.ConvTranspose2d, nn.ConvTranspose3d)) and conv.padding_mode == "zeros":
-        dims = x.dim() - 2
-        pad = conv._output_padding(x, None, conv.stride, conv.padding, conv.kernel_size, dims, conv.dilation)
-        transposed = F.conv_transpose2d if dims == 2 else F.conv_transpose3d
-        out = transposed(x, weight, conv.bias, conv.stride, conv.padding, pad, conv.groups, conv.dilation)
-    elif isinstance(conv, (nn.Conv2d, nn.Conv3d)):
-        out = conv._conv_forward(x, weight, conv.bias)
-    else:
-        out = conv(x)
-    return out.contiguous()
-
-
-def _channels_last_faster(conv, x, fmt, reps=3):
-    """Whether ``conv`` in ``fmt`` (:func:`_channels_last_call`) runs more than 5 % faster than on
-    ``x`` as it is: the medians of ``reps`` timed calls of each, after a warm-up call of each
-    (cuDNN's algorithm choice, its workspace)."""
-
-    def plain():
-        conv(x)
-
-    def converted():
-        _channels_last_call(conv, x, fmt)
-
-    times = {{plain: [], converted: []}}
-    with torch.no_grad():
-        for fn in times:
-            fn()
-        for _ in range(reps):
-            for fn, spent in times.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                spent.append(start.elapsed_time(end))
-    median = {{fn: sorted(spent)[len(spent) // 2] for fn, spent in times.items()}}
-    return median[converted] < 0.95 * median[plain]
-
-
 def _trace(module):
     """The forward's graph as the analysis traced it: buffers as graph inputs."""
     tracer = torch.fx.Tracer()
@@ -811,9 +719,8 @@ def trace_at_shapes(module, args):
 
 
 def _rewrite(graph, root):
-    """Replace each region's nodes by one call of its wrapper, each convolution of CONVS by the
-    own kernel's and each other 2-D or 3-D one by a call in the faster layout; the weights become
-    extra inputs."""
+    """Replace each region's nodes by one call of its wrapper and each convolution of CONVS by the
+    own kernel's; the weights become extra inputs."""
     nodes = {{node.name: node for node in graph.nodes}}
     holders = [node for node in graph.nodes if node.op == "placeholder"]
     weights, last = [], holders[-1] if holders else None
@@ -834,7 +741,6 @@ def _rewrite(graph, root):
             graph.erase_node(nodes[name])
         nodes[region["out"]] = fused  # a later region may read this one's value by its old name
     _own_convs(root, graph, weights)
-    _library_convs(root, graph)
     graph.lint()
     return graph
 
