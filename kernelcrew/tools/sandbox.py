@@ -893,6 +893,38 @@ def _copy_file(fin: Any, fout: Any, size: int) -> None:
         shutil.copyfileobj(fin, fout, 1 << 20)  # a file system without sendfile
 
 
+def _tree_bytes(box_fd: int, depth: int = 0) -> int:
+    """Bytes of the regular files under ``box_fd`` (links not followed, 16 levels at most)."""
+    total = 0
+    for entry in os.scandir(box_fd):
+        info = os.stat(entry.name, dir_fd=box_fd, follow_symlinks=False)
+        if stat.S_ISREG(info.st_mode):
+            total += info.st_size
+        elif stat.S_ISDIR(info.st_mode) and depth < 16:
+            sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=box_fd)
+            try:
+                total += _tree_bytes(sub, depth + 1)
+            finally:
+                os.close(sub)
+    return total
+
+
+def _copy_out_error(exc: OSError, box_fd: int, dest: Path) -> str:
+    """Why the child's folder could not be copied out, with the room it needed on the host."""
+    try:
+        needed = f"{_tree_bytes(box_fd) / 1e9:.1f} GB"
+    except OSError:
+        needed = "an unknown size"
+    try:
+        free = f"{shutil.disk_usage(dest).free / 1e9:.1f} GB free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"the child's files ({needed}) could not be copied out of its box into {dest.parent} "
+        f"({free}): {exc.strerror or exc}; point TMPDIR at a file system with room for them"
+    )
+
+
 def _child_dir_full(box_fd: int) -> bool:
     """Whether the child's folder ran out of space (less than 1 MiB or 1 % of it left)."""
     st = os.fstatvfs(box_fd)
@@ -1350,12 +1382,13 @@ class _Child:
         if self.output.exceeded:
             status = "output_limit"
         copying = time.monotonic()
+        copy_error = ""
         if self.box_dir is not None:
             try:
                 self.disk_full = self.disk_full or _child_dir_full(self.box_dir)
                 _copy_out(self.box_dir, self.child_dir, [MAX_CHILD_ENTRIES])
-            except OSError:
-                pass  # what could not be copied is missing: the result reads as lost
+            except OSError as exc:  # the host's side ran out of room (or files): the result is lost
+                copy_error = _copy_out_error(exc, self.box_dir, self.child_dir)
             finally:
                 os.close(self.box_dir)  # the last reference: the tmpfs goes
                 self.box_dir = None
@@ -1399,6 +1432,11 @@ class _Child:
                 "KERNELCREW_SANDBOX_DISK_MB; /tmp and /dev/shm have KERNELCREW_SANDBOX_TMP_MB each): "
                 f"{result.message}"
             )
+        if copy_error:  # the result (or what it names) is lost with the copy: say why
+            lost = result.ok or result.message.startswith("unreadable result")
+            result.message = copy_error if lost else f"{result.message}; {copy_error}"
+            if result.ok:
+                result.status, result.value = "error", None
         if self.boxed and result.ok and len(self.caches) == 1:
             _seal(*self.caches[0], self.scope)
         if self.remove_workdir:

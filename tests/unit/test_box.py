@@ -16,6 +16,7 @@ runs with ``sandbox="bwrap"``, and a machine without bubblewrap skips the file u
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import pytest
 
 import kernelcrew
 from kernelcrew.config import Settings, get_settings
+from kernelcrew.task import TaskError
 from kernelcrew.tools import correctness, pycache, sandbox
 from kernelcrew.tools.build import build_env, cache_dirs
 from kernelcrew.tools.sandbox import SandboxLimits
@@ -391,6 +393,23 @@ def test_the_parent_never_follows_what_the_child_left(box_settings):
         assert "plain.txt" in left
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_child_whose_files_cannot_be_copied_out_fails_with_the_reason(box_settings, monkeypatch):
+    """A host whose temp dir is full loses the child's files: the result is an error that says so
+    (it once read as ok, and the golden's parent died on a missing file)."""
+
+    def disk_full(fin: Any, fout: Any, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sandbox, "_copy_file", disk_full)
+    res = sandbox.run(f"{T}:write_file", {}, limits=LIMITS, settings=box_settings)
+    assert res.status == "error" and res.value is None
+    assert "could not be copied out of its box" in res.message and "No space left on device" in res.message
+    assert "TMPDIR" in res.message
+    task = (FIXTURES / "tasks" / "linear_relu.py").read_text()
+    with pytest.raises(TaskError, match="could not be copied out of its box"):
+        correctness.make_golden(task, task_path="linear_relu.py", settings=box_settings)
 
 
 # ----------------------------------------------------------------------------------------------
