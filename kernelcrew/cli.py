@@ -49,6 +49,19 @@ def _root(
     """kernelcrew: verified, faster GPU kernels for PyTorch modules."""
     if ctx.invoked_subcommand in RUNS_USER_CODE:
         require_sandbox(unsafe_no_sandbox)
+        stop_on_sigterm()
+
+
+def stop_on_sigterm() -> None:
+    """A SIGTERM (``kill``, a job scheduler's stop) ends a command as Ctrl-C does: the run is
+    checkpointed and its temporary files (a large task's golden is tens of GB) are removed, where
+    Python's default would exit at once and leave them behind."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def require_sandbox(unsafe: bool) -> None:

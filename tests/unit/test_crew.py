@@ -273,6 +273,31 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert report["iterations"][0]["verdict"] == "pass"
 
 
+def test_a_terminated_run_removes_its_golden_and_says_how_to_resume(tmp_path):
+    """SIGTERM (a scheduler's stop, the bench's deadline) ends a run as Ctrl-C does: its temporary
+    files go. Python's default exit left a large task's golden (tens of GB) in the temp dir."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "KERNELCREW_DATA_DIR": str(tmp_path / "data"), "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "-m", "kernelcrew", "optimize", str(POINTWISE), "--device", "cpu"]
+    cmd += ["--max-iters", "2", "--quick", "--compile-modes", "none", "--backend", "playbook"]
+    cmd += ["--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**env, "PYTHONUNBUFFERED": "1"})
+    seen, goldens = [], []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        seen.append(line)
+        if "plan:" in line:  # the baseline is done: the golden is on disk
+            goldens = list(tmp.glob("kc-golden-*"))
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, rest = proc.communicate(timeout=120)
+    said = "".join(seen) + (rest or "")
+    assert goldens and proc.returncode == 130, said
+    assert "continue it with --resume" in said
+    assert not list(tmp.glob("kc-golden-*")), sorted(p.name for p in tmp.iterdir())
+
+
 def test_resume_of_an_unknown_run_is_a_clear_error(settings):
     from kernelcrew.task import TaskError
 
