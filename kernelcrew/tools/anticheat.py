@@ -140,6 +140,22 @@ DENIED_OBJECTS: dict[str, tuple[str, str]] = {
     "numpy.fromregex": ("file", "reads files"),
     "triton.compile": ("hidden-code", "compiles kernels from IR text or files"),
     "torch.set_flush_denormal": ("state", "flushes denormals process-wide, with no way to read it back"),
+    # Process-wide settings a candidate could switch inside its forward and restore before it
+    # returns (the state snapshots around each call would see nothing): TF32 matmuls under the
+    # strict policy, non-deterministic algorithms, another default dtype or device.
+    **{
+        f"torch.{name}": ("state", "changes a process-wide setting (precision, determinism or defaults)")
+        for name in (
+            "set_float32_matmul_precision",
+            "use_deterministic_algorithms",
+            "set_deterministic_debug_mode",
+            "set_default_dtype",
+            "set_default_tensor_type",
+            "set_default_device",
+            "set_num_threads",
+            "set_num_interop_threads",
+        )
+    },
     "torch.cuda.cudart": ("native", "raw CUDA runtime calls"),
     **{
         name: ("stream", "extra CUDA streams are not allowed (work outside the timed stream)")

@@ -217,6 +217,15 @@ ESCAPES = [
     ("def f():\n    return torch.os.system('id')\nimport torch", "module-attr"),
     ("import sys\nsys.exit(0)", "module-attr"),
     ("import torch\nprint(type(torch.zeros(1))('x'))", "class-value"),
+    # a setting switched inside the forward and restored before it returns: no snapshot sees it
+    (
+        "import torch\ndef forward(x, w):\n    torch.set_float32_matmul_precision('high')\n"
+        "    y = x @ w\n    torch.set_float32_matmul_precision('highest')\n    return y",
+        "state",
+    ),
+    ("import torch\nsetp = torch.set_float32_matmul_precision\nsetp('medium')", "state"),
+    ("import torch\ntorch.use_deterministic_algorithms(False)", "state"),
+    ("import torch\ntorch.set_default_dtype(torch.float16)", "state"),
 ]
 
 
