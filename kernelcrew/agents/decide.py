@@ -179,11 +179,12 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     answer if it passes (its time is the baseline's of the same compile: :func:`timed_by_baseline`).
 
     A step that already verified it is not verified again (its timing stands until the final
-    one). First, right after the baseline, it always runs: it is the cheapest answer the run can
-    be sure of, and a heavy task whose baseline left no room for it went on to a first step
-    anyway and ended past the budget with nothing (the steps after it must fit the budget). At
-    the end of a run it runs when it ends inside the budget plus the run's tolerance (``GRACE``);
-    otherwise the report says why it did not.
+    one). Right after the baseline (when no step fits before it) it always runs: it is the
+    cheapest answer the run can be sure of, and a heavy task whose baseline left no room for it
+    went on to a first step anyway and ended past the budget with nothing (the steps after it must
+    fit the budget). At the end of a run, with no answer or a step's answer it is faster than, it
+    runs when it ends inside the budget plus the run's tolerance (``GRACE``); otherwise the report
+    says why it did not.
     """
     from kernelcrew.agents.playbook.compiler import generate_compiled
 
@@ -246,7 +247,10 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         ctx.emit("verify", candidate=cand.id, verdict=cand.verdict, stage=cand.stage, message=cand.message)
         timed = timed_by_baseline(state, cand, mode) if cand.verdict == "pass" else cand
     kept = timed.verdict == "pass" and (opts.device == "cpu" or (timed.speedup_eager or 0.0) > 1.0)
-    if not kept:
+    if kept and state.best is not None and not (timed.time_ms or 0.0) < (state.best.time_ms or 0.0):
+        kept = False  # a step's answer came first and is as fast
+        note["skipped"] = f"verified, but no faster than the answer {state.best.id}: not returned"
+    elif not kept:
         note["skipped"] = (
             f"verified but timed at {timed.speedup_eager or 0:.3g}x eager: not returned"
             if timed.verdict == "pass"

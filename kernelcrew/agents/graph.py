@@ -1,9 +1,12 @@
 """The crew's workflow: profile_baseline -> plan -> code -> verify -> profile -> decide -> plan | finalize.
 
-When the baseline measured torch.compile faster than eager, its candidate is verified first
-(fall_back, the run's insurance: whatever the budget allows later, the run has an answer) and the
-steps that follow must beat it and fit the budget; a run that ends without an answer goes through
-fall_back again only when that first attempt gave no verdict (no compiler candidate could be made)."""
+When the baseline measured torch.compile faster than eager and a first step, the compiler's
+candidate and the final timing all fit the budget, the steps come first (each must fit with the
+fallback's time kept) and the run ends through fall_back unless a step beat the compile. Otherwise
+its candidate is verified first (fall_back, the run's insurance: whatever the budget allows later,
+the run has an answer) and the steps that follow must beat it and fit the budget; a run that ends
+without an answer goes through fall_back again only when that first attempt gave no verdict (no
+compiler candidate could be made)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from langgraph.graph import END, START, StateGraph
 from kernelcrew.agents.coder import code
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.decide import decide, fall_back, finish, route_after_decide
-from kernelcrew.agents.planner import fallback_step, plan
+from kernelcrew.agents.planner import fallback_step, plan, step_before_fallback
 from kernelcrew.agents.profiler import profile, profile_baseline
 from kernelcrew.agents.state import CrewState
 from kernelcrew.agents.verifier import route_after_verify, verify
@@ -47,8 +50,9 @@ def route_after_code(state: CrewState) -> Literal["verify", "decide"]:
 
 
 def route_after_baseline(state: CrewState) -> Literal["fall_back", "plan"]:
-    """The compiler's measured win first, when there is one (see the module docstring)."""
-    return "fall_back" if fallback_step(state) is not None else "plan"
+    """The compiler's measured win first, when there is one and no room for a step before it (see
+    the module docstring)."""
+    return "fall_back" if fallback_step(state) is not None and not step_before_fallback(state) else "plan"
 
 
 def route_after_fall_back(state: CrewState) -> Literal["plan", "finalize"]:

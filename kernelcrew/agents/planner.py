@@ -238,9 +238,11 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     if step is None:
         step = _plan_with_playbook(state, prefs)
     planned = sum(1 for r in state.iterations if not r.get("fallback"))
-    if step is not None and (planned or state.best is not None) and not _fits_budget(state, step):
+    insured = state.best is not None or fallback_seconds(state) > 0
+    if step is not None and (planned or insured) and not _fits_budget(state, step):
         # nothing left that fits; a run without an answer starts its first planned step however
-        # heavy the task (a run with one, the compiler's fallback, keeps to the budget)
+        # heavy the task (a run with one, or with the compiler's fallback still to come, keeps to
+        # the budget)
         return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
     if step is None:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}
@@ -452,14 +454,15 @@ def refused_by_user(state: CrewState, strategy: str, params: dict[str, Any] | No
 
 
 def fallback_step(state: CrewState) -> PlanStep | None:
-    """The compiler candidate a run without a verified answer ends with: the baseline measured it
-    (torch.compile) faster than eager. None when there is a best, when nothing measured beat eager,
-    when the user's guidance rules it out, or when a step already judged that candidate: failed,
-    or timed not faster than eager."""
-    if state.best is not None:
-        return None
+    """The compiler candidate a run ends with when it has no faster verified answer: the baseline
+    measured it (torch.compile) faster than eager. None when the best is as fast (beyond noise),
+    when nothing measured beat eager, when the user's guidance rules it out, or when a step already
+    judged that candidate: failed, or timed not faster than eager."""
     mode = fallback_mode(state)
     if mode is None:
+        return None
+    best_ms = state.best.time_ms if state.best is not None else None
+    if state.best is not None and not (best_ms and state.baseline.compile_ms[mode] < best_ms * (1 - NOISE)):
         return None
     name = compiler_strategies()[mode]
     if refused_by_user(state, name):
@@ -486,6 +489,16 @@ def fallback_seconds(state: CrewState) -> float:
     if step is None or any(r.get("strategy") == step.strategy for r in state.iterations):
         return 0.0
     return modelled_seconds(state, step)
+
+
+def step_before_fallback(state: CrewState) -> bool:
+    """Whether a first step of the baseline's modelled length fits before the compiler's fallback,
+    with the fallback and the final timing after it, inside the budget: then the run tries its own
+    kernels first and verifies the compiler's candidate at the end, unless a step beat it. A
+    heavy task verifies the fallback first, as its insurance."""
+    if not state.started_at:
+        return False
+    return STEP_FROM_BASELINE * reference_timing_s(state) <= _seconds_left(state)
 
 
 def _seconds_left(state: CrewState) -> float:

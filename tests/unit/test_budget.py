@@ -214,9 +214,10 @@ def test_a_heavy_run_stays_within_its_budget_and_says_what_the_budget_covered(tm
     overruns its 40 % share, the first step still starts, no step starts that would end past the
     budget, the final timing is cut to what is left, and the run ends within its budget plus 20 %.
     report.json accounts for the baseline's phases, each step and the final timing; the golden is
-    computed once."""
+    computed once. The user rules the compiler out: where torch.compile beat eager on this CPU, its
+    candidate would otherwise insure the run first and the step would then have to fit."""
     budget = 120.0
-    data, md, wall, executor = optimize(tmp_path, budget, "default")
+    data, md, wall, executor = optimize(tmp_path, budget, "default", ["no torch.compile"])
     b = data["budget"]
     assert wall <= budget * 1.2 and b["total_s"] <= budget * 1.2 and b["within_tolerance"], b
     assert b["baseline_share"] == 0.4 and b["baseline_budget_s"] == 48.0
@@ -346,7 +347,7 @@ def test_the_baseline_leaves_out_a_second_compile_mode_its_share_cannot_afford(t
 def test_the_compilers_measured_win_goes_first_and_steps_follow_it():
     from kernelcrew.agents.graph import route_after_baseline, route_after_fall_back
 
-    s = state()
+    s = state(started_at=time.time() - 70.0)  # 30 s left: less than step, fallback and final timing
     assert route_after_baseline(s) == "fall_back", "torch.compile beat eager: verified first"
     s.steps_used = 1
     assert route_after_fall_back(s) == "plan", "steps follow the insurance"
@@ -356,6 +357,57 @@ def test_the_compilers_measured_win_goes_first_and_steps_follow_it():
     assert route_after_fall_back(s) == "finalize", "the fallback at the end of a run"
     s.baseline.compile_ms = {"default": 1.99}  # within noise of eager: nothing to insure with
     assert route_after_baseline(s) == "plan"
+
+
+def test_with_room_for_a_step_the_steps_go_first_and_the_compilers_win_ends_the_run(monkeypatch):
+    """On an H100 a GEMM task's fallback used the room its own kernel needed (1.65x over compile on
+    its siblings). With room for a first step, the fallback and the final timing (30 s used of 100:
+    a 10 s step, a 14 s fallback, 15.3 s final), the steps go first with the fallback's time kept,
+    and the fallback ends the run unless a step beat the compile beyond noise."""
+    from kernelcrew.agents import planner
+    from kernelcrew.agents.context import CrewContext
+    from kernelcrew.agents.graph import route_after_baseline
+
+    s = state()
+    assert planner.step_before_fallback(s) and route_after_baseline(s) == "plan"
+    assert planner.fallback_seconds(s) == pytest.approx(14.0)
+    runtime = SimpleNamespace(context=CrewContext(executor=None))
+    heavy = PlanStep(strategy="anchored_fusion", rationale="r", expected_gain=2.0, source="playbook")
+    monkeypatch.setattr(planner, "_plan_with_playbook", lambda state, prefs: heavy)
+    monkeypatch.setattr(planner, "expected_seconds", lambda state, step: 45.0)
+    update = planner.plan(s, runtime)
+    assert update["plan"] is None and "time budget" in update["stop_reason"], "the fallback's time is kept"
+    assert route_after_decide(replace(s, stop_reason=update["stop_reason"])) == "fall_back"
+
+    slower = Candidate(id="c1", strategy="anchored_fusion", source_kind="kernel", source="", verdict="pass")
+    slower.time_ms = 1.5  # faster than eager (2 ms), slower than the compile (1 ms)
+    assert fallback_step(replace(s, best=slower)) is not None, "the compile is still the faster answer"
+    slower.time_ms = 1.01  # within noise of the compile: the step's own kernel stays the answer
+    assert fallback_step(replace(s, best=slower)) is None
+
+
+def test_the_fallback_at_the_end_replaces_only_a_slower_answer():
+    from kernelcrew.agents.context import CrewContext
+    from kernelcrew.agents.decide import fall_back
+    from kernelcrew.records import Verdict
+
+    class Passing:
+        def verify(self, request):
+            return Verdict(
+                verdict="pass", stage="done", message="ok", seed=0, device="cuda", precision="strict"
+            )
+
+    runtime = SimpleNamespace(context=CrewContext(executor=Passing()))
+    step_answer = Candidate(
+        id="c1", strategy="anchored_fusion", source_kind="kernel", source="", verdict="pass", time_ms=1.5
+    )
+    s = state(task_source=CHAIN, stop_reason="no strategy left to try", best=step_answer)
+    update = fall_back(s, runtime)
+    assert update["best"].id == "fallback" and update["best"].time_ms == pytest.approx(1.0)
+    # a torch_compile step verified it and timed it slower than the step's answer: that time stands
+    timed = {"step": 1, "strategy": "torch_compile", "verdict": "pass", "time_ms": 1.6, "speedup_eager": 1.25}
+    update = fall_back(replace(s, iterations=[timed]), runtime)
+    assert "best" not in update and "no faster than the answer c1" in update["budget"]["fallback"]["skipped"]
 
 
 def test_the_reference_compiles_while_the_golden_is_made_and_its_timing_run_loads_that_build(
