@@ -455,15 +455,17 @@ def refused_by_user(state: CrewState, strategy: str, params: dict[str, Any] | No
 
 def fallback_step(state: CrewState) -> PlanStep | None:
     """The compiler candidate a run ends with when it has no faster verified answer: the baseline
-    measured it (torch.compile) faster than eager. None when the best is as fast (beyond noise),
-    when nothing measured beat eager, when the user's guidance rules it out, or when a step already
-    judged that candidate: failed, or timed not faster than eager."""
+    measured it (torch.compile) faster than eager. None when the best is as fast (beyond noise; on
+    a CPU, any best: its answers are ranked by kind, not time), when nothing measured beat eager,
+    when the user's guidance rules it out, or when a step already judged that candidate: failed,
+    or timed not faster than eager."""
     mode = fallback_mode(state)
     if mode is None:
         return None
-    best_ms = state.best.time_ms if state.best is not None else None
-    if state.best is not None and not (best_ms and state.baseline.compile_ms[mode] < best_ms * (1 - NOISE)):
-        return None
+    if state.best is not None:
+        best_ms = state.best.time_ms if state.options.device != "cpu" else None
+        if not (best_ms and state.baseline.compile_ms[mode] < best_ms * (1 - NOISE)):
+            return None
     name = compiler_strategies()[mode]
     if refused_by_user(state, name):
         return None

@@ -384,6 +384,9 @@ def test_with_room_for_a_step_the_steps_go_first_and_the_compilers_win_ends_the_
     assert fallback_step(replace(s, best=slower)) is not None, "the compile is still the faster answer"
     slower.time_ms = 1.01  # within noise of the compile: the step's own kernel stays the answer
     assert fallback_step(replace(s, best=slower)) is None
+    cpu = state("cpu")
+    cpu.best = replace(slower, time_ms=1.5)
+    assert fallback_step(cpu) is None, "on a CPU an answer is ranked by its kind, not its time"
 
 
 def test_the_fallback_at_the_end_replaces_only_a_slower_answer():
