@@ -1,4 +1,5 @@
-"""The own TF32x3 kernels of ``anchored_fusion`` on the GPU: float32 convolutions (implicit GEMM)
+"""The own TF32x3 kernels of ``anchored_fusion`` on the GPU: float32 convolutions (implicit GEMM,
+transposed ones of stride 1 among them)
 and linear layers (GEMM heads) judged by ``kernelcrew verify`` at strict float32 tolerances, on the
 tensor cores this time (the CPU tests run them in Triton's interpreter, in NumPy's float32)."""
 
@@ -32,6 +33,18 @@ TASKS = {
         "return self.norm(self.conv(x))",
         "torch.randn(4, 32, 10, 34, 34)",
     ),
+    # a stride-1 transposed convolution (the forward convolution it equals), dilated and padded
+    "conv_transpose2d": _task(
+        "self.conv = nn.ConvTranspose2d(64, 64, 3, padding=1, dilation=2)",
+        "return self.conv(x)",
+        "torch.randn(8, 64, 64, 64)",
+    ),
+    # a depthwise convolution (the own direct kernel), KernelBench level 1's asymmetric kernel
+    "depthwise": _task(
+        "self.conv = nn.Conv2d(32, 32, (3, 1), groups=32, bias=False)",
+        "return self.conv(x)",
+        "torch.randn(16, 32, 256, 256)",
+    ),
     # a linear layer with K = 4096 (the GEMM head) and a softmax after it
     "linear_softmax": _task(
         "self.fc = nn.Linear(4096, 2048)",
@@ -47,7 +60,7 @@ def test_own_tf32x3_kernels_verify_on_the_gpu(tmp_path, name):
     analysis = local_analysis(source)
     plan, reason = anchored.match(analysis)
     assert plan is not None, reason
-    assert plan.convs or any(r.generator == "matmul" for r in plan.regions), reason
+    assert plan.convs or plan.directs or any(r.generator == "matmul" for r in plan.regions), reason
     params = tuning_space("anchored_fusion", analysis, "sm_90")[0]
     (tmp_path / "task.py").write_text(source)
     (tmp_path / "candidate.py").write_text(generate("anchored_fusion", source, analysis, params))

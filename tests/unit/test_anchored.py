@@ -319,6 +319,37 @@ def test_float32_convolutions_alone_run_as_own_kernels_and_verify():
         generate("anchored_fusion", CONVS_ONLY, analysis, {"conv": "tf32"})
 
 
+DEPTHWISE_SEPARABLE = task(
+    """
+    self.dw = nn.Conv2d(4, 4, (3, 1), groups=4, bias=False)
+    self.pw = nn.Conv2d(4, 16, 1)
+    """,
+    "return torch.relu(self.pw(self.dw(x)))",
+    "torch.randn(2, 4, 9, 8)",
+    "[[torch.randn(1, 4, 5, 3)]]",
+)
+
+
+def test_depthwise_convolutions_run_as_own_direct_kernels_and_verify():
+    """A depthwise convolution (one channel per group) is the own direct kernel's; the pointwise
+    one after it (4 input channels: too few for the implicit GEMM's tiles) stays cuDNN's;
+    conv="library" keeps both the library's."""
+    analysis = local_analysis(DEPTHWISE_SEPARABLE)
+    plan, reason = anchored.match(analysis)
+    assert plan is not None, reason
+    assert plan.directs == ["dw"] and plan.convs == []
+    assert "1 depthwise convolution(s) as own direct kernels" in reason
+    h100 = playbook.tuning_space("anchored_fusion", analysis, "sm_90")
+    assert h100[-1]["conv"] == "library" and all("direct" in c for c in h100)
+    params = playbook.tuning_space("anchored_fusion", analysis, "cpu")[0]
+    candidate = generate("anchored_fusion", DEPTHWISE_SEPARABLE, analysis, params)
+    assert static_check(candidate) == []
+    assert "DIRECT_CONVS = {\n    'dw': (0, None),\n}" in candidate
+    _passes_as_own_kernels(DEPTHWISE_SEPARABLE, candidate)
+    library = generate("anchored_fusion", DEPTHWISE_SEPARABLE, analysis, {**params, "conv": "library"})
+    assert "DIRECT_CONVS = {}" in library and "def conv_direct" not in library
+
+
 def test_half_precision_linear_layers_stay_library_anchors():
     """cuBLAS beats the own GEMM in float16 (docs/benchmarks.md): only float32 layers are heads."""
     source = task(

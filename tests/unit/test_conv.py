@@ -31,6 +31,16 @@ CASES = {
     "conv1d-circular": (nn.Conv1d(4, 16, 5, stride=2, padding=2, padding_mode="circular"), (3, 4, 17)),
     "conv3d": (nn.Conv3d(2, 16, (2, 3, 3), stride=(1, 2, 2), padding=(1, 0, 1)), (2, 2, 5, 7, 6)),
     "conv2d-1x1": (nn.Conv2d(24, 16, 1), (2, 24, 5, 5)),
+    # stride-1 transposed convolutions: as the forward convolution they equal
+    "transposed2d": (nn.ConvTranspose2d(3, 16, 3), (2, 3, 6, 7)),
+    "transposed2d-groups-pad-dilation-output-padding": (
+        nn.ConvTranspose2d(4, 6, (3, 2), padding=(1, 0), dilation=(2, 3), output_padding=(1, 2), groups=2),
+        (2, 4, 5, 6),
+    ),
+    "transposed1d-crop": (nn.ConvTranspose1d(5, 16, 3, padding=3, bias=False), (2, 5, 12)),
+    "transposed3d-unbatched": (nn.ConvTranspose3d(2, 16, (2, 3, 1)), (2, 3, 4, 5)),
+    # stride 2: the library's call, through the same host function
+    "transposed2d-stride-library": (nn.ConvTranspose2d(3, 16, 3, stride=2, output_padding=1), (2, 3, 5, 5)),
 }
 
 
@@ -119,7 +129,16 @@ def test_what_the_kernel_replaces():
     assert not depthwise[0] and "depthwise" in depthwise[1]
     small = conv.eligible(_weights(256, 256, 3, 3), _node("Conv2d", 1, [10, 256, 14, 14]))  # 0.5-0.8x
     assert not small[0] and "32 output tiles" in small[1]
-    assert not conv.eligible(_weights(128, 64, 3, 3), _node("ConvTranspose2d", 1, big))[0]
+    transposed = {**_node("ConvTranspose2d", 1, big), "args": [{"ref": "x"}]}
+    assert conv.eligible(_weights(64, 128, 3, 3), {**transposed, "kwargs": {"groups": 1, "stride": [1, 1]}})[
+        0
+    ]
+    strided = conv.eligible(
+        _weights(64, 128, 3, 3), {**transposed, "kwargs": {"groups": 1, "stride": [2, 2]}}
+    )
+    assert not strided[0] and "stride [2, 2]" in strided[1]
+    few_out = {**transposed, "kwargs": {"groups": 2, "stride": [1, 1]}}
+    assert not conv.eligible(_weights(64, 8, 3, 3), few_out)[0]  # (in, out per group, ...): 8 out per group
     assert not conv.eligible(_weights(128, 64, 3, 3), _node("Conv2d", 1, big, "float16"))[0]
     with pytest.raises(ValueError, match="power of two"):
         conv.check_params({"BLOCK_M": 48})

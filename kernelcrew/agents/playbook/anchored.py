@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernelcrew.agents.playbook import conv, matmul, pointwise, rows
+from kernelcrew.agents.playbook import conv, depthwise, matmul, pointwise, rows
 from kernelcrew.agents.playbook.analysis import TaskAnalysis, refs_of
 from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, checked_copy, reference_source
 from kernelcrew.agents.playbook.rows.lowering import ROW_OPS
@@ -67,7 +67,7 @@ VIEW_OPS = frozenset(
 )
 #: Ops that start a GEMM head (float32 only: see the module docstring).
 GEMM_OPS = frozenset({"linear"}) | matmul.MATMUL_OPS
-PARAM_KEYS = ("pointwise", "rows", "matmul", "conv")
+PARAM_KEYS = ("pointwise", "rows", "matmul", "conv", "direct")
 ROW_PARAM_KEYS = ("MAX_SINGLE", "CHUNK", "TILE", "num_warps")
 
 
@@ -105,6 +105,9 @@ class AnchoredPlan:
     traced_at_shapes: bool = False
     #: Module paths of the float32 convolutions the own convolution kernel may run.
     convs: list[str] = field(default_factory=list)
+    #: Module paths of the float32 convolutions with few channels per group (depthwise) that the
+    #: own direct convolution kernel may run.
+    directs: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,6 +128,8 @@ def match(analysis: TaskAnalysis) -> tuple[AnchoredPlan | None, str]:
     anchors = ", ".join(dict.fromkeys(plan.anchors)) or "none"
     left = f"; left to torch: {', '.join(plan.left)}" if plan.left else ""
     convs = f"; {len(plan.convs)} float32 convolution(s) as own TF32x3 kernels" if plan.convs else ""
+    if plan.directs:
+        convs += f"; {len(plan.directs)} depthwise convolution(s) as own direct kernels"
     return plan, (
         f"library anchors ({anchors}) kept; {len(plan.regions)} region(s) between them fused into "
         f"own kernels ({ops}){left}{convs}"
@@ -145,10 +150,10 @@ def _match(a: TaskAnalysis) -> AnchoredPlan:
     if whole:
         raise Unsupported(f"a whole-module strategy applies ({whole}): it fuses more than parts can")
     plan = partition(a)
-    if not plan.regions and not plan.convs:
+    if not plan.regions and not plan.convs and not plan.directs:
         raise Unsupported(
-            "no region between the anchors lowers to an own kernel, and no convolution is the own "
-            "convolution kernel's"
+            "no region between the anchors lowers to an own kernel, and no convolution is one of the "
+            "own convolution kernels'"
         )
     if a.task_source:
         try:
@@ -211,7 +216,10 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
                     left.append(run[i]["name"])
                 i += 1
     convs = list(dict.fromkeys(n["target"] for n in a.nodes if conv.eligible(a, n)[0]))
-    return AnchoredPlan(regions, left, anchors, traced_at_shapes=a.traced_at_shapes, convs=convs)
+    directs = list(dict.fromkeys(n["target"] for n in a.nodes if depthwise.eligible(a, n)[0]))
+    return AnchoredPlan(
+        regions, left, anchors, traced_at_shapes=a.traced_at_shapes, convs=convs, directs=directs
+    )
 
 
 def _gemm_head(node: dict[str, Any]) -> bool:
@@ -434,6 +442,7 @@ def tuning_space(plan: AnchoredPlan, arch: str) -> list[dict[str, Any]]:
     rw = [r.plan for r in plan.regions if r.generator == "rows"]
     mm = [r.plan for r in plan.regions if r.generator == "matmul"]
     cv_space = conv.tuning_space(pointwise.arch_class(arch)) if plan.convs else [{}]
+    dw_space = depthwise.tuning_space(pointwise.arch_class(arch)) if plan.directs else [{}]
     # the largest product's tiles: it takes most of the time
     mm_space = (
         matmul.tuning_space(max(mm, key=lambda m: m.rows * m.out_features * m.in_features), arch)
@@ -447,7 +456,7 @@ def tuning_space(plan: AnchoredPlan, arch: str) -> list[dict[str, Any]]:
     else:
         rw_space = [{k: rows.DEFAULT_PARAMS[k] for k in ROW_PARAM_KEYS}]
     space: list[dict[str, Any]] = []
-    for i in range(max(len(pw_space), len(rw_space), len(mm_space), len(cv_space))):
+    for i in range(max(len(pw_space), len(rw_space), len(mm_space), len(cv_space), len(dw_space))):
         config: dict[str, Any] = {
             "pointwise": pw_space[min(i, len(pw_space) - 1)],
             "rows": rw_space[min(i, len(rw_space) - 1)],
@@ -456,9 +465,11 @@ def tuning_space(plan: AnchoredPlan, arch: str) -> list[dict[str, Any]]:
             config["matmul"] = mm_space[min(i, len(mm_space) - 1)]
         if plan.convs:
             config["conv"] = cv_space[min(i, len(cv_space) - 1)]
+        if plan.directs:
+            config["direct"] = dw_space[min(i, len(dw_space) - 1)]
         if config not in space:
             space.append(config)
-    if plan.convs and plan.regions and arch != "cpu":
+    if (plan.convs or plan.directs) and plan.regions and arch != "cpu":
         space.append({**space[0], "conv": "library"})  # the regions alone, cuDNN's convolutions
     return space
 
@@ -471,7 +482,14 @@ def _check_params(params: dict[str, Any]) -> dict[str, Any]:
     if tiles != "library" and not isinstance(tiles, dict):
         raise ValueError(f"conv must be 'library' or the kernel's tile parameters, got {tiles!r}")
     checked = conv.check_params(tiles) if isinstance(tiles, dict) else tiles
-    return {**{key: dict(params.get(key) or {}) for key in PARAM_KEYS if key != "conv"}, "conv": checked}
+    out = {key: dict(params.get(key) or {}) for key in PARAM_KEYS if key not in ("conv", "direct")}
+    # conv="library": every convolution cuDNN's, the depthwise ones too
+    direct = (
+        "library"
+        if tiles == "library" and "conv" in params
+        else depthwise.check_params(dict(params.get("direct") or {}))
+    )
+    return {**out, "conv": checked, "direct": direct}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -487,8 +505,8 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
     signature, names = _check_forward(task_source)
     sections, table = [], []
     weights = list(dict.fromkeys(arg for r in plan.regions for arg in r.args if arg[0] != "node"))
-    convs = {}
-    for target in plan.convs if own_convs else []:
+    convs, directs = {}, {}
+    for target in [*(plan.convs if own_convs else []), *(plan.directs if p["direct"] != "library" else [])]:
         node = next(n for n in analysis.nodes if n["kind"] == "call_module" and n["target"] == target)
         indices = []
         for key in ("weight", "bias"):
@@ -500,7 +518,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
             if entry not in weights:
                 weights.append(entry)
             indices.append(weights.index(entry))
-        convs[target] = tuple(indices)
+        (convs if target in plan.convs else directs)[target] = tuple(indices)
     for i, region in enumerate(plan.regions):
         if region.generator == "pointwise":
             source = pointwise.generate_pointwise(region.analysis, region.plan, p["pointwise"])
@@ -536,8 +554,11 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
         arg_names=names,
         convs=_pretty_dict(convs),
         conv_note=", ".join(plan.convs) if own_convs and plan.convs else "none",
+        direct_note=", ".join(directs) or "none",
         conv_params=repr(p["conv"] if own_convs else {}),
-        conv_source=conv.SOURCE.strip("\n"),
+        directs=_pretty_dict(directs),
+        direct_params=repr(p["direct"] if directs else {}),
+        conv_source=conv.SOURCE.strip("\n") + ("\n\n" + depthwise.SOURCE.strip("\n") if directs else ""),
     )
     return checked_copy(source)
 
@@ -651,6 +672,7 @@ by one call of the region's own Triton kernel:
 {summary}
 Anchors kept as torch calls: {anchors}. Fusible ops left to torch: {left}.
 Float32 convolutions run by the own implicit-GEMM kernel in TF32x3: {conv_note}.
+Depthwise convolutions run by the own direct kernel: {direct_note}.
 """
 
 import math
@@ -677,23 +699,31 @@ ARG_NAMES = {arg_names!r}  # the forward's parameters after self
 #: weight and bias), and the kernel's tiles.
 CONVS = {convs}
 CONV_PARAMS = {conv_params}
+#: The same for the depthwise convolutions that run as the own direct kernel.
+DIRECT_CONVS = {directs}
+DIRECT_PARAMS = {direct_params}
 
 
 {conv_source}
 
 
 def _own_convs(root, graph, weights):
-    """Each one-argument call of a module of CONVS becomes a call of the own kernel on the module's
-    weight and bias (extra inputs, as the regions' weights) with its settings as constants."""
+    """Each one-argument call of a module of CONVS (DIRECT_CONVS) becomes a call of the own
+    implicit-GEMM (direct) kernel on the module's weight and bias (extra inputs, as the regions'
+    weights) with its settings as constants."""
     for node in list(graph.nodes):
-        spec = CONVS.get(node.target) if node.op == "call_module" else None
-        if spec is None or len(node.args) != 1 or node.kwargs:
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
-        w, b = spec
+        if node.target in CONVS:
+            (w, b), kernel, params = CONVS[node.target], conv_tf32x3, CONV_PARAMS
+        elif node.target in DIRECT_CONVS:
+            (w, b), kernel, params = DIRECT_CONVS[node.target], conv_direct, DIRECT_PARAMS
+        else:
+            continue
         with graph.inserting_before(node):
             args = (node.args[0], weights[w], None if b is None else weights[b])
             settings = conv_spec(root.get_submodule(node.target))
-            call = graph.call_function(conv_tf32x3, (*args, settings, CONV_PARAMS))
+            call = graph.call_function(kernel, (*args, settings, params))
         node.replace_all_uses_with(call)
         graph.erase_node(node)
 

@@ -1,4 +1,5 @@
-"""An own convolution kernel: float32 ``nn.Conv1d/2d/3d`` as one implicit-GEMM Triton kernel in TF32x3.
+"""An own convolution kernel: float32 ``nn.Conv1d/2d/3d`` (and ``nn.ConvTranspose1d/2d/3d`` of stride 1) as
+one implicit-GEMM Triton kernel in TF32x3.
 
 cuDNN runs a float32 convolution on the CUDA cores when TF32 is off (``strict`` precision): on an
 H100 a seventh of the tensor cores' TF32 rate (67 against 495 TFLOP/s, datasheet). This kernel treats the convolution as a GEMM
@@ -23,7 +24,11 @@ estimates until a KernelBench run measures them; it won on wide 3x3 and 1x1 conv
   more): without a split over the reduction a few programs run long loops while most SMs idle (a
   256->256 3x3 convolution over ten 14x14 images, 32 tiles, lost).
 
-Transposed convolutions stay cuDNN's.
+A transposed convolution of stride 1 is the forward convolution it equals (per group the weight's
+input and output channels swapped, its taps flipped, padding ``d * (k - 1) - p``, its
+``output_padding`` as extra positions at the end), built from the weight on each call. One of a
+larger stride stays the library's: as a forward convolution of its zero-interleaved input, all but
+one in ``stride**dims`` of the products would be zeros.
 
 The host function ``conv_tf32x3(x, weight, bias, spec, params)`` (``spec``: ``conv_spec(module)``,
 the module's stride, padding, dilation, groups and padding mode) and the kernel are :data:`SOURCE`,
@@ -42,8 +47,9 @@ MIN_GROUP_CHANNELS = 16
 #: The fewest 128 x 128 output tiles (positions x channels, all groups) worth the kernel, where the
 #: convolution has ``MIN_SPLIT_FLOP`` or more (below that, idle SMs cost microseconds).
 MIN_TILES, MIN_SPLIT_FLOP = 48, 2**28
-#: Module types the kernel replaces.
-MODULES = frozenset(f"torch.nn.modules.conv.Conv{d}d" for d in (1, 2, 3))
+#: Module types the kernel replaces (transposed ones of stride 1 only: see :func:`eligible`).
+TRANSPOSED = frozenset(f"torch.nn.modules.conv.ConvTranspose{d}d" for d in (1, 2, 3))
+MODULES = frozenset(f"torch.nn.modules.conv.Conv{d}d" for d in (1, 2, 3)) | TRANSPOSED
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture class, first tried first.
 CONFIGS = {
     # 128 x 128 tiles beat 128 x 64 ones in the comparison above
@@ -56,7 +62,16 @@ CONFIGS = {
 def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
     """Whether the kernel replaces this call of a convolution module, and why (not)."""
     if node.get("kind") != "call_module" or node.get("module_type") not in MODULES:
-        return False, "not a call of an nn.Conv1d/2d/3d module"
+        return False, "not a call of an nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d module"
+    transposed = node["module_type"] in TRANSPOSED
+    stride = node.get("kwargs", {}).get("stride")
+    if transposed and (not isinstance(stride, list | tuple) or any(s != 1 for s in stride)):
+        return False, (
+            f"a transposed convolution of stride {stride}: as a forward one it multiplies mostly "
+            "zeros, the library's"
+        )
+    if transposed and len(node.get("args") or []) != 1:
+        return False, "a transposed convolution called with an output size: the library's"
     weight = next((e for e in analysis.state_dict if e["name"] == f"{node['target']}.weight"), None)
     if node.get("dtype") != "float32" or weight is None or weight.get("dtype") != "float32":
         return False, "not float32 (cuDNN's tensor-core kernels serve half precision)"
@@ -64,7 +79,8 @@ def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
     shape = weight.get("shape") or []
     if not isinstance(groups, int) or groups < 1 or len(shape) < 3 or shape[0] % groups:
         return False, f"groups {groups!r} or weight shape {shape} unreadable"
-    per_group = (shape[1], shape[0] // groups)
+    # (input, output) channels per group: a transposed weight is (in, out per group, *kernel)
+    per_group = (shape[0] // groups, shape[1]) if transposed else (shape[1], shape[0] // groups)
     if min(per_group) < MIN_GROUP_CHANNELS:
         return False, (
             f"{per_group[0]} input and {per_group[1]} output channel(s) per group: mostly padding in "
@@ -76,7 +92,7 @@ def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
         return False, f"output shape {out} unreadable"
     positions = math.prod(out[-rank:]) * (out[0] if len(out) == rank + 2 else 1)
     tiles = math.ceil(positions / 128) * math.ceil(per_group[1] / 128) * groups
-    flop = 2 * positions * shape[0] * math.prod(shape[1:])
+    flop = 2 * positions * groups * math.prod(per_group) * math.prod(shape[2:])
     if tiles < MIN_TILES and flop >= MIN_SPLIT_FLOP:
         return False, f"{tiles} output tiles of 128 x 128: too few to fill the GPU without a split over K"
     return True, "a float32 convolution: implicit GEMM in TF32x3"
@@ -160,25 +176,49 @@ def conv_tf32x3_kernel(
 
 
 def conv_spec(conv):
-    """What the kernel needs of an nn.Conv1d/2d/3d module besides its parameters (plain values)."""
+    """What the kernel needs of an nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d module besides its
+    parameters (plain values)."""
+    transposed = bool(getattr(conv, "transposed", False))
     return (
         tuple(conv.stride), conv.padding if isinstance(conv.padding, str) else tuple(conv.padding),
-        tuple(conv.dilation), conv.groups, conv.padding_mode, tuple(conv._reversed_padding_repeated_twice),
+        tuple(conv.dilation), conv.groups, conv.padding_mode,
+        tuple(getattr(conv, "_reversed_padding_repeated_twice", ())),
+        transposed, tuple(conv.output_padding) if transposed else (),
     )
+
+
+def _as_forward_conv(w, spec):
+    """A stride-1 transposed convolution as the forward one it equals: per group, the weight's
+    input and output channels swapped and its taps flipped, padding d * (k - 1) - p (negative where
+    the transposed one crops), and its output_padding as extra output positions at the end."""
+    stride, padding, dilation, groups, _, _, _, output_padding = spec
+    nd = w.dim() - 2
+    cin, ocg = w.shape[:2]
+    w = w.reshape(groups, cin // groups, ocg, *w.shape[2:]).transpose(1, 2)
+    w = w.reshape(groups * ocg, cin // groups, *w.shape[3:]).flip(list(range(2, 2 + nd)))
+    pad = tuple(d * (k - 1) - p for d, k, p in zip(dilation, w.shape[2:], padding))
+    return w, pad, tuple(output_padding)
 
 
 def conv_tf32x3(x, w, bias, spec, params):
     """An nn.Conv1d/2d/3d module's call on ``x`` (weight ``w``, ``bias``, :func:`conv_spec`): the
     implicit-GEMM kernel in TF32x3 for float32 tensors on a GPU (or the interpreter)."""
-    stride, padding, dilation, groups, padding_mode, reversed_padding = spec
+    stride, padding, dilation, groups, padding_mode, reversed_padding, transposed, output_padding = spec
     nd = w.dim() - 2
-    if x.dtype != torch.float32 or w.dtype != torch.float32:  # the library call, as the module makes it
+    library = x.dtype != torch.float32 or w.dtype != torch.float32 or (transposed and max(stride) > 1)
+    if library and transposed:  # the library call, as the module makes it
+        call = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+        return call(x, w, bias, stride, padding, output_padding, groups, dilation)
+    if library:
         if padding_mode != "zeros":
             x, padding = F.pad(x, reversed_padding, mode=padding_mode), 0
         return (F.conv1d, F.conv2d, F.conv3d)[nd - 1](x, w, bias, stride, padding, dilation, groups)
     if x.dim() == nd + 1:  # an unbatched input
         return conv_tf32x3(x.unsqueeze(0), w, bias, spec, params).squeeze(0)
-    if padding_mode != "zeros" or isinstance(padding, str):
+    extra = (0,) * nd
+    if transposed:
+        w, padding, extra = _as_forward_conv(w, spec)
+    elif padding_mode != "zeros" or isinstance(padding, str):
         mode = "constant" if padding_mode == "zeros" else padding_mode
         x = F.pad(x, reversed_padding, mode=mode)
         padding = (0,) * nd
@@ -190,7 +230,11 @@ def conv_tf32x3(x, w, bias, spec, params):
     stride = lift + tuple(stride)
     dilation = lift + tuple(dilation)
     pad = (0,) * (3 - nd) + tuple(padding)
-    out = tuple((i + 2 * p - d * (k - 1) - 1) // s + 1 for i, p, d, k, s in zip(size, pad, dilation, kernel, stride))
+    extra = (0,) * (3 - nd) + tuple(extra)
+    out = tuple(
+        (i + 2 * p - d * (k - 1) - 1) // s + 1 + e
+        for i, p, d, k, s, e in zip(size, pad, dilation, kernel, stride, extra)
+    )
     if min(out) <= 0:
         raise RuntimeError(f"the input {tuple(x.shape)} is smaller than the convolution's kernel")
     oc = w.shape[0]
