@@ -375,6 +375,19 @@ def result(order: list[str], shards: list[dict[str, Any]]) -> dict[str, Any]:
     return data
 
 
+def earlier_rows(
+    results: Path, order: list[str], ran: set[str], device: str, model: str
+) -> list[dict[str, Any]]:
+    """The result file's rows (same device kind and GPU model) of the sample's tasks that no shard
+    has a row for: a task named by ``--first`` that the wall limit left unstarted keeps its row."""
+    if not results.exists():
+        return []
+    previous = json.loads(results.read_text())
+    if previous.get("device_kind") != device or previous.get("model") != model:
+        return []
+    return [r for r in previous.get("rows", []) if r["task"] in order and r["task"] not in ran]
+
+
 def seed_shards(
     results: Path,
     order: list[str],
@@ -449,9 +462,13 @@ def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> dict[str
             launch(args.run, launched, gpus, args.out, [*more, *extra], device=args.device), deadline=deadline
         )
     tables = [args.out / f"gpu{gpu}" / "suite.json" for gpu in gpus]
-    data = result(
-        order, [json.loads(t.read_text()) | {"gpu": t.parent.name[3:]} for t in tables if t.exists()]
-    )
+    shards = [json.loads(t.read_text()) | {"gpu": t.parent.name[3:]} for t in tables if t.exists()]
+    ran = {r["task"] for shard in shards for r in shard.get("rows", [])}
+    kept = earlier_rows(results, order, ran, args.device, model)
+    if kept:
+        header = {k: v for k, v in json.loads(results.read_text()).items() if k not in ("rows", "summary")}
+        shards.append({**header, "rows": kept, "gpu": "earlier"})
+    data = result(order, shards)
     data["device_kind"] = args.device
     data["seed"] = _manifest_seed(args.run)
     command = " ".join(["python", "bench/kernelbench.py", *argv])

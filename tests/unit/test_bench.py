@@ -477,6 +477,20 @@ def test_kernelbench_rows_of_tasks_run_again_are_not_seeded(tmp_path):
     assert [r["task"] for r in table["rows"]] == ["l1_a"]
 
 
+def test_kernelbench_tasks_run_again_that_did_not_start_keep_their_rows(tmp_path):
+    """A call's wall limit can end before a task of ``--first`` starts: the result keeps its earlier
+    row instead of losing it (of the same GPU model only)."""
+    from bench.kernelbench import earlier_rows
+
+    results = tmp_path / "kb.json"
+    rows = [{"task": "l1_a"}, {"task": "l2_b"}, {"task": "l3_gone"}]
+    results.write_text(json.dumps({"device_kind": "cuda", "model": "h100-sxm", "rows": rows}))
+    order = ["l1_a", "l2_b"]
+    assert earlier_rows(results, order, {"l1_a"}, "cuda", "h100-sxm") == [{"task": "l2_b"}]
+    assert earlier_rows(results, order, {"l1_a"}, "cuda", "h200") == []
+    assert earlier_rows(tmp_path / "none.json", order, set(), "cuda", "h100-sxm") == []
+
+
 def test_kernelbench_rows_of_another_gpu_model_are_not_seeded(tmp_path):
     """A multi-GPU call may land on H200s: an H100 result file's rows must not join their run."""
     from bench.kernelbench import seed_shards
