@@ -39,22 +39,8 @@ CASES = {
     ),
     "transposed1d-crop": (nn.ConvTranspose1d(5, 16, 3, padding=3, bias=False), (2, 5, 12)),
     "transposed3d-unbatched": (nn.ConvTranspose3d(2, 16, (2, 3, 1)), (2, 3, 4, 5)),
-    # strided: one forward convolution per output phase
-    "transposed2d-stride": (
-        nn.ConvTranspose2d(3, 16, 3, stride=2, padding=1, output_padding=1),
-        (2, 3, 5, 4),
-    ),
-    "transposed3d-stride-groups": (
-        nn.ConvTranspose3d(4, 6, (2, 3, 3), stride=(1, 2, 3), padding=(0, 1, 2), groups=2),
-        (1, 4, 3, 4, 5),
-    ),
-    # a stride longer than the kernel: some phases take no tap (the bias alone)
-    "transposed1d-stride-past-kernel": (nn.ConvTranspose1d(5, 16, 2, stride=3, output_padding=2), (2, 5, 6)),
-    # strided and dilated: the library's call, through the same host function
-    "transposed2d-stride-dilation-library": (
-        nn.ConvTranspose2d(3, 16, 3, stride=2, dilation=2),
-        (2, 3, 5, 5),
-    ),
+    # stride 2: the library's call, through the same host function
+    "transposed2d-stride-library": (nn.ConvTranspose2d(3, 16, 3, stride=2, output_padding=1), (2, 3, 5, 5)),
 }
 
 
@@ -144,13 +130,14 @@ def test_what_the_kernel_replaces():
     small = conv.eligible(_weights(256, 256, 3, 3), _node("Conv2d", 1, [10, 256, 14, 14]))  # 0.5-0.8x
     assert not small[0] and "32 output tiles" in small[1]
     transposed = {**_node("ConvTranspose2d", 1, big), "args": [{"ref": "x"}]}
-    for stride in ([1, 1], [2, 2]):
-        settings = {"groups": 1, "stride": stride, "dilation": [1, 1]}
-        assert conv.eligible(_weights(64, 128, 3, 3), {**transposed, "kwargs": settings})[0]
-    dilated = {"groups": 1, "stride": [2, 2], "dilation": [2, 1]}
-    strided = conv.eligible(_weights(64, 128, 3, 3), {**transposed, "kwargs": dilated})
-    assert not strided[0] and "stride [2, 2] and dilation [2, 1]" in strided[1]
-    few_out = {**transposed, "kwargs": {"groups": 2, "stride": [1, 1], "dilation": [1, 1]}}
+    assert conv.eligible(_weights(64, 128, 3, 3), {**transposed, "kwargs": {"groups": 1, "stride": [1, 1]}})[
+        0
+    ]
+    strided = conv.eligible(
+        _weights(64, 128, 3, 3), {**transposed, "kwargs": {"groups": 1, "stride": [2, 2]}}
+    )
+    assert not strided[0] and "stride [2, 2]" in strided[1]
+    few_out = {**transposed, "kwargs": {"groups": 2, "stride": [1, 1]}}
     assert not conv.eligible(_weights(64, 8, 3, 3), few_out)[0]  # (in, out per group, ...): 8 out per group
     assert not conv.eligible(_weights(128, 64, 3, 3), _node("Conv2d", 1, big, "float16"))[0]
     with pytest.raises(ValueError, match="power of two"):

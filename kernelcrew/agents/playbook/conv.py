@@ -1,5 +1,5 @@
-"""An own convolution kernel: float32 ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` as one
-implicit-GEMM Triton kernel in TF32x3.
+"""An own convolution kernel: float32 ``nn.Conv1d/2d/3d`` (and ``nn.ConvTranspose1d/2d/3d`` of stride 1) as
+one implicit-GEMM Triton kernel in TF32x3.
 
 cuDNN runs a float32 convolution on the CUDA cores when TF32 is off (``strict`` precision): on an
 H100 a seventh of the tensor cores' TF32 rate (67 against 495 TFLOP/s, datasheet). This kernel treats the convolution as a GEMM
@@ -19,19 +19,18 @@ estimates until a KernelBench run measures them; it won on wide 3x3 and 1x1 conv
 
 * fewer than :data:`MIN_GROUP_CHANNELS` input or output channels per group: the reduction or the
   tile's columns are mostly padding (3 and 8 input channels lost; depthwise convolutions are
-  memory-bound: :mod:`.depthwise`'s direct kernel takes them);
+  memory-bound, where cuDNN's direct kernels win);
 * fewer than :data:`MIN_TILES` output tiles of 128 x 128 (in a convolution of a quarter GFLOP or
   more): without a split over the reduction a few programs run long loops while most SMs idle (a
   256->256 3x3 convolution over ten 14x14 images, 32 tiles, lost).
 
 A transposed convolution of stride 1 is the forward convolution it equals (per group the weight's
 input and output channels swapped, its taps flipped, padding ``d * (k - 1) - p``, its
-``output_padding`` as extra positions at the end), built from the weight on each call. A strided
-one (dilation 1) is one such forward convolution per output *phase*: the outputs ``o = r + s * j``
-of a dim take only the taps ``k = q + s * m`` with ``q = (r + p) % s``, so each phase is a stride-1
-convolution by that subset of taps, written into ``y[..., r::s]`` through the output's strides
-(``stride**dims`` launches, no product by an inserted zero). Strided and dilated ones stay the
-library's.
+``output_padding`` as extra positions at the end), built from the weight on each call. One of a
+larger stride stays the library's: as a forward convolution of its zero-interleaved input, all but
+one in ``stride**dims`` of the products would be zeros, and split into one stride-1 convolution per
+output phase (each phase's taps, written through strides) its candidate ran at 0.54x eager on
+KernelBench's level-2 task 10 on an H100, against cuDNN's (a one-off run, not kept as a result).
 
 The host function ``conv_tf32x3(x, weight, bias, spec, params)`` (``spec``: ``conv_spec(module)``,
 the module's stride, padding, dilation, groups and padding mode) and the kernel are :data:`SOURCE`,
@@ -50,7 +49,7 @@ MIN_GROUP_CHANNELS = 16
 #: The fewest 128 x 128 output tiles (positions x channels, all groups) worth the kernel, where the
 #: convolution has ``MIN_SPLIT_FLOP`` or more (below that, idle SMs cost microseconds).
 MIN_TILES, MIN_SPLIT_FLOP = 48, 2**28
-#: Module types the kernel replaces (transposed ones not both strided and dilated: :func:`eligible`).
+#: Module types the kernel replaces (transposed ones of stride 1 only: see :func:`eligible`).
 TRANSPOSED = frozenset(f"torch.nn.modules.conv.ConvTranspose{d}d" for d in (1, 2, 3))
 MODULES = frozenset(f"torch.nn.modules.conv.Conv{d}d" for d in (1, 2, 3)) | TRANSPOSED
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture class, first tried first.
@@ -67,10 +66,12 @@ def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
     if node.get("kind") != "call_module" or node.get("module_type") not in MODULES:
         return False, "not a call of an nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d module"
     transposed = node["module_type"] in TRANSPOSED
-    stride, dilation = (node.get("kwargs", {}).get(key) for key in ("stride", "dilation"))
-    readable = all(isinstance(v, list | tuple) for v in (stride, dilation))
-    if transposed and (not readable or (max(stride) > 1 and max(dilation) > 1)):
-        return False, f"a transposed convolution of stride {stride} and dilation {dilation}: the library's"
+    stride = node.get("kwargs", {}).get("stride")
+    if transposed and (not isinstance(stride, list | tuple) or any(s != 1 for s in stride)):
+        return False, (
+            f"a transposed convolution of stride {stride}: as a forward one it multiplies mostly "
+            "zeros, the library's"
+        )
     if transposed and len(node.get("args") or []) != 1:
         return False, "a transposed convolution called with an output size: the library's"
     weight = next((e for e in analysis.state_dict if e["name"] == f"{node['target']}.weight"), None)
@@ -116,14 +117,12 @@ def conv_tf32x3_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     N, C, D, H, W, OC, OD, OH, OW,
     SD, SH, SW, PD, PH, PW, DD, DH, DW,
-    YN, YC, YD, YH, YW,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     HAS_BIAS: tl.constexpr, INDEX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of output positions x one group's output channels; C and OC are
-    per group, the group is program axis 1; the output's strides are YN, YC, YD, YH, YW (a view of
-    a larger tensor, as a phase of a strided transposed convolution, is written in place)."""
+    per group, the group is program axis 1."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     M = N * OD * OH * OW
@@ -146,7 +145,7 @@ def conv_tf32x3_kernel(
     od = t % OD
     n = t // OD
     if INDEX64:
-        n, od, oh, ow = n.to(tl.int64), od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+        n = n.to(tl.int64)
     d0 = od * SD - PD
     h0 = oh * SH - PH
     w0 = ow * SW - PW
@@ -173,7 +172,8 @@ def conv_tf32x3_kernel(
         acc = tl.dot(a, b, acc, input_precision="tf32x3")
     if HAS_BIAS:
         acc += tl.load(b_ptr + g * OC + rn, mask=n_ok, other=0.0)[None, :]
-    y_off = (n * YN + od * YD + oh * YH + ow * YW)[:, None] + ((g * OC + rn) * YC)[None, :]
+    spatial = (od * OH + oh) * OW + ow
+    y_off = ((n * tl.num_programs(1) + g)[:, None] * OC + rn[None, :]) * (OD * OH * OW) + spatial[:, None]
     tl.store(y_ptr + y_off, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -189,77 +189,26 @@ def conv_spec(conv):
     )
 
 
-def _forward_weight(w, groups):
-    """The weight of the forward convolution a stride-1 transposed one equals: per group its input
-    and output channels swapped, its taps flipped."""
+def _as_forward_conv(w, spec):
+    """A stride-1 transposed convolution as the forward one it equals: per group, the weight's
+    input and output channels swapped and its taps flipped, padding d * (k - 1) - p (negative where
+    the transposed one crops), and its output_padding as extra output positions at the end."""
+    stride, padding, dilation, groups, _, _, _, output_padding = spec
     nd = w.dim() - 2
     cin, ocg = w.shape[:2]
     w = w.reshape(groups, cin // groups, ocg, *w.shape[2:]).transpose(1, 2)
-    return w.reshape(groups * ocg, cin // groups, *w.shape[3:]).flip(list(range(2, 2 + nd)))
-
-
-def _conv_into(x, w, bias, y, stride, pad, dilation, groups, params):
-    """``y`` (N, OC, *out), which may be a strided view, becomes the forward convolution of the
-    contiguous ``x`` by ``w`` with zero padding ``pad`` (negative: cropped)."""
-    nd = w.dim() - 2
-    lift = (1,) * (3 - nd)
-    n, oc = y.shape[:2]
-    out = lift + tuple(y.shape[2:])
-    kernel = lift + tuple(w.shape[2:])
-    if y.numel() == 0:
-        return
-    wc = w.contiguous()
-    m = n * out[0] * out[1] * out[2]
-    grid = (triton.cdiv(m, params["BLOCK_M"]) * triton.cdiv(oc // groups, params["BLOCK_N"]), groups)
-    conv_tf32x3_kernel[grid](
-        x, wc, bias if bias is not None else wc, y,
-        n, x.shape[1] // groups, *(lift + tuple(x.shape[2:])), oc // groups, *out,
-        *(lift + tuple(stride)), *((0,) * (3 - nd) + tuple(pad)), *(lift + tuple(dilation)),
-        y.stride(0), y.stride(1), *((0,) * (3 - nd) + tuple(y.stride()[2:])),
-        KD=kernel[0], KH=kernel[1], KW=kernel[2],
-        HAS_BIAS=bias is not None,
-        INDEX64=max(x.numel(), y.storage_offset() + y.numel(), wc.numel()) >= 2**31,
-        BLOCK_M=params["BLOCK_M"], BLOCK_N=params["BLOCK_N"], BLOCK_K=params["BLOCK_K"],
-        GROUP_M=params["GROUP_M"], num_warps=params["num_warps"], num_stages=params["num_stages"],
-    )
-
-
-def _phases(stride):
-    """Every output phase (r_1, ..., r_nd), 0 <= r_i < stride_i."""
-    phases = [()]
-    for s in stride:
-        phases = [p + (r,) for p in phases for r in range(s)]
-    return phases
-
-
-def _transposed_by_phases(x, w, bias, y, stride, padding, groups, params):
-    """A strided transposed convolution (dilation 1) into ``y``, one forward convolution per output
-    phase: outputs o = r + s * j (per dim) take only the taps k = q + s * m, q = (r + p) % s, and
-    input i = j + (r + p) // s - m; reversed, that is a stride-1 convolution by those taps flipped
-    with padding M_q - 1 - (r + p) // s (M_q taps), written to y[..., r::s]."""
-    nd = w.dim() - 2
-    for phase in _phases(stride):
-        view = y[(slice(None), slice(None), *(slice(r, None, s) for r, s in zip(phase, stride)))]
-        if view.numel() == 0:
-            continue
-        taps = tuple(slice((r + p) % s, None, s) for r, p, s in zip(phase, padding, stride))
-        sub = w[(slice(None), slice(None), *taps)]
-        if min(sub.shape[2:]) == 0:  # no tap reaches these outputs (a stride longer than the kernel)
-            view.copy_(bias.reshape(1, -1, *(1,) * nd).expand_as(view) if bias is not None else 0.0)
-            continue
-        pad = tuple(m - 1 - (r + p) // s for m, r, p, s in zip(sub.shape[2:], phase, padding, stride))
-        _conv_into(x, _forward_weight(sub, groups), bias, view, (1,) * nd, pad, (1,) * nd, groups, params)
+    w = w.reshape(groups * ocg, cin // groups, *w.shape[3:]).flip(list(range(2, 2 + nd)))
+    pad = tuple(d * (k - 1) - p for d, k, p in zip(dilation, w.shape[2:], padding))
+    return w, pad, tuple(output_padding)
 
 
 def conv_tf32x3(x, w, bias, spec, params):
-    """An nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d module's call on ``x`` (weight ``w``,
-    ``bias``, :func:`conv_spec`): the implicit-GEMM kernel in TF32x3 for float32 tensors on a GPU
-    (or the interpreter); the library's call for other dtypes and for a transposed convolution
-    both strided and dilated."""
+    """An nn.Conv1d/2d/3d module's call on ``x`` (weight ``w``, ``bias``, :func:`conv_spec`): the
+    implicit-GEMM kernel in TF32x3 for float32 tensors on a GPU (or the interpreter)."""
     stride, padding, dilation, groups, padding_mode, reversed_padding, transposed, output_padding = spec
     nd = w.dim() - 2
-    library = x.dtype != torch.float32 or w.dtype != torch.float32
-    if transposed and (library or (max(stride) > 1 and max(dilation) > 1)):  # as the module calls it
+    library = x.dtype != torch.float32 or w.dtype != torch.float32 or (transposed and max(stride) > 1)
+    if library and transposed:  # the library call, as the module makes it
         call = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
         return call(x, w, bias, stride, padding, output_padding, groups, dilation)
     if library:
@@ -268,35 +217,46 @@ def conv_tf32x3(x, w, bias, spec, params):
         return (F.conv1d, F.conv2d, F.conv3d)[nd - 1](x, w, bias, stride, padding, dilation, groups)
     if x.dim() == nd + 1:  # an unbatched input
         return conv_tf32x3(x.unsqueeze(0), w, bias, spec, params).squeeze(0)
-    x = x.contiguous()
-    size = tuple(x.shape[2:])
+    extra = (0,) * nd
     if transposed:
-        oc = w.shape[1] * groups
-        out = tuple(
-            (i - 1) * s - 2 * p + d * (k - 1) + op + 1
-            for i, s, p, d, k, op in zip(size, stride, padding, dilation, w.shape[2:], output_padding)
-        )
-    else:
-        if padding_mode != "zeros" or isinstance(padding, str):
-            mode = "constant" if padding_mode == "zeros" else padding_mode
-            x = F.pad(x, reversed_padding, mode=mode)
-            padding, size = (0,) * nd, tuple(x.shape[2:])
-        oc = w.shape[0]
-        out = tuple(
-            (i + 2 * p - d * (k - 1) - 1) // s + 1
-            for i, p, d, k, s in zip(size, padding, dilation, w.shape[2:], stride)
-        )
+        w, padding, extra = _as_forward_conv(w, spec)
+    elif padding_mode != "zeros" or isinstance(padding, str):
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+        x = F.pad(x, reversed_padding, mode=mode)
+        padding = (0,) * nd
+    lift = (1,) * (3 - nd)
+    x = x.contiguous()
+    n, c = x.shape[:2]
+    size = lift + tuple(x.shape[2:])
+    kernel = lift + tuple(w.shape[2:])
+    stride = lift + tuple(stride)
+    dilation = lift + tuple(dilation)
+    pad = (0,) * (3 - nd) + tuple(padding)
+    extra = (0,) * (3 - nd) + tuple(extra)
+    out = tuple(
+        (i + 2 * p - d * (k - 1) - 1) // s + 1 + e
+        for i, p, d, k, s, e in zip(size, pad, dilation, kernel, stride, extra)
+    )
     if min(out) <= 0:
         raise RuntimeError(f"the input {tuple(x.shape)} is smaller than the convolution's kernel")
-    y = torch.empty((x.shape[0], oc, *out), dtype=torch.float32, device=x.device)
-    if transposed and max(stride) > 1:
-        _transposed_by_phases(x, w, bias, y, stride, padding, groups, params)
-    elif transposed:  # stride 1: the forward convolution it equals, output_padding at the end
-        pad = tuple(d * (k - 1) - p for d, k, p in zip(dilation, w.shape[2:], padding))
-        _conv_into(x, _forward_weight(w, groups), bias, y, stride, pad, dilation, groups, params)
-    else:
-        _conv_into(x, w, bias, y, stride, padding, dilation, groups, params)
-    return y
+    oc = w.shape[0]
+    y = torch.empty((n, oc, *out), dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y.reshape(n, oc, *out[3 - nd:])
+    wc = w.contiguous()
+    m = n * out[0] * out[1] * out[2]
+    grid = (triton.cdiv(m, params["BLOCK_M"]) * triton.cdiv(oc // groups, params["BLOCK_N"]), groups)
+    conv_tf32x3_kernel[grid](
+        x, wc, bias if bias is not None else wc, y,
+        n, c // groups, *size, oc // groups, *out,
+        *stride, *pad, *dilation,
+        KD=kernel[0], KH=kernel[1], KW=kernel[2],
+        HAS_BIAS=bias is not None,
+        INDEX64=max(x.numel(), y.numel(), wc.numel()) >= 2**31,
+        BLOCK_M=params["BLOCK_M"], BLOCK_N=params["BLOCK_N"], BLOCK_K=params["BLOCK_K"],
+        GROUP_M=params["GROUP_M"], num_warps=params["num_warps"], num_stages=params["num_stages"],
+    )
+    return y.reshape(n, oc, *out[3 - nd:])
 '''
 
 __all__ = ["MODULES", "SOURCE", "check_params", "eligible", "tuning_space"]
