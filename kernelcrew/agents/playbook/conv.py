@@ -19,7 +19,7 @@ estimates until a KernelBench run measures them; it won on wide 3x3 and 1x1 conv
 
 * fewer than :data:`MIN_GROUP_CHANNELS` input or output channels per group: the reduction or the
   tile's columns are mostly padding (3 and 8 input channels lost; depthwise convolutions are
-  memory-bound, where cuDNN's direct kernels win);
+  memory-bound: :mod:`.depthwise`'s direct kernel takes them);
 * fewer than :data:`MIN_TILES` output tiles of 128 x 128 (in a convolution of a quarter GFLOP or
   more): without a split over the reduction a few programs run long loops while most SMs idle (a
   256->256 3x3 convolution over ten 14x14 images, 32 tiles, lost).
