@@ -75,6 +75,16 @@ STRATEGIES: dict[str, Strategy] = {
             module=f"{_PKG}.rows",
         ),
         Strategy(
+            "dim_reduction",
+            "kernel",
+            "The forward is one reduction (sum, mean, prod, amax/amin, max/min with a dim, "
+            "argmax/argmin) of its input over one dim other than the last: one Triton kernel views "
+            "the input as (outer, reduced, inner) and reduces tiles of consecutive inner positions "
+            "down the reduced dim, reading each element once (fp32 accumulation, torch's NaN and "
+            "first-index rules).",
+            module=f"{_PKG}.dimreduce",
+        ),
+        Strategy(
             "matmul_epilogue",
             "kernel",
             "One or two linear layers of the same input (a gated pair: two accumulators sharing each "

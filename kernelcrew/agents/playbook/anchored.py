@@ -55,7 +55,7 @@ REDUCING = ROW_OPS - {"masked_fill"}
 #: Reductions whose ``dim`` may name other dims than the last: turned into one over the last dim.
 MOVABLE = frozenset({"sum", "mean", "amax", "amin", "logsumexp", "var", "std", "norm", "linalg_vector_norm"})
 #: Whole-module own-kernel strategies: where one applies, the module is not split into parts.
-WHOLE_MODULE = ("fused_pointwise", "row_reduction", "matmul_epilogue")
+WHOLE_MODULE = ("fused_pointwise", "row_reduction", "dim_reduction", "matmul_epilogue")
 #: The longest run of fusible ops cut into pieces at once (the cut tries O(n^2) pieces).
 MAX_RUN = 48
 #: Ops kept as they are that only reshape or describe a tensor (not reported as anchors).
