@@ -13,7 +13,7 @@ import pytest
 import torch.nn as nn
 
 from kernelcrew.agents.playbook import depthwise
-from kernelcrew.agents.playbook.analysis import TaskAnalysis
+from tests.unit.test_conv import _node, _weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,33 +37,19 @@ CASES = {
 }
 
 
-def spec_of(module: nn.Module) -> tuple:
-    """The ``spec`` of ``conv_direct`` for a convolution module."""
-    padding = module.padding if isinstance(module.padding, str) else tuple(module.padding)
-    return (
-        tuple(module.stride),
-        padding,
-        tuple(module.dilation),
-        module.groups,
-        module.padding_mode,
-        tuple(module._reversed_padding_repeated_twice),
-        module.transposed,
-        tuple(module.output_padding) if module.transposed else (),
-    )
-
-
 #: Runs in a fresh interpreter: TRITON_INTERPRET must be set before Triton is imported, and the
 #: interpreter patches ``triton.language`` of the kernel's module.
 CHECK = """
 import json, sys
 import torch
 import torch.nn as nn
-from tests.unit.test_depthwise import CASES, spec_of
-from kernelcrew.agents.playbook import depthwise
+from tests.unit.test_depthwise import CASES
+from kernelcrew.agents.playbook import conv, depthwise
 
 path = sys.argv[1]
 with open(path, "w") as f:
     f.write("import torch\\nimport triton\\nimport triton.language as tl\\nimport torch.nn.functional as F\\n")
+    f.write(conv.SOURCE)  # conv_geometry
     f.write(depthwise.SOURCE)
 sys.path.insert(0, str(__import__("pathlib").Path(path).parent))
 import own_depthwise
@@ -80,7 +66,7 @@ def check(name, module, x, calls_kernel):
     })()
     try:
         with torch.no_grad():
-            got = own_depthwise.conv_direct(x, module.weight, module.bias, spec_of(module), params)
+            got = own_depthwise.conv_direct(x, module.weight, module.bias, own_depthwise.conv_spec(module), params)
             want = module(x)
     finally:
         own_depthwise.conv_direct_kernel = kernel
@@ -133,22 +119,6 @@ def test_the_kernel_matches_torch(results, name):
 def test_the_library_serves_the_rest(results, name):
     assert results[name]["error"] is None, results[name]["error"]
     assert results[name]["as_expected"], "the kernel ran where the library should have"
-
-
-def _node(module_type: str, groups: int, out: list[int], dtype: str = "float32") -> dict:
-    return {
-        "name": "c",
-        "kind": "call_module",
-        "target": "c",
-        "module_type": f"torch.nn.modules.conv.{module_type}",
-        "kwargs": {"groups": groups},
-        "shape": out,
-        "dtype": dtype,
-    }
-
-
-def _weights(*shape: int) -> TaskAnalysis:
-    return TaskAnalysis({"state_dict": [{"name": "c.weight", "shape": list(shape), "dtype": "float32"}]})
 
 
 def test_what_the_kernel_replaces():

@@ -61,6 +61,19 @@ CONFIGS = {
 }
 
 
+def float32_weight(analysis: Any, node: dict[str, Any]) -> tuple[list[int], int, str]:
+    """A convolution module call's weight shape and groups, and why an own kernel cannot take it
+    ("" when it can): the call or its weight not float32, the groups or the shape unreadable."""
+    weight = next((e for e in analysis.state_dict if e["name"] == f"{node['target']}.weight"), None)
+    if node.get("dtype") != "float32" or weight is None or weight.get("dtype") != "float32":
+        return [], 1, "not float32 (cuDNN's tensor-core kernels serve half precision)"
+    groups = node.get("kwargs", {}).get("groups", 1)
+    shape = weight.get("shape") or []
+    if not isinstance(groups, int) or groups < 1 or len(shape) < 3 or shape[0] % groups:
+        return [], 1, f"groups {groups!r} or weight shape {shape} unreadable"
+    return shape, groups, ""
+
+
 def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
     """Whether the kernel replaces this call of a convolution module, and why (not)."""
     if node.get("kind") != "call_module" or node.get("module_type") not in MODULES:
@@ -74,13 +87,9 @@ def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
         )
     if transposed and len(node.get("args") or []) != 1:
         return False, "a transposed convolution called with an output size: the library's"
-    weight = next((e for e in analysis.state_dict if e["name"] == f"{node['target']}.weight"), None)
-    if node.get("dtype") != "float32" or weight is None or weight.get("dtype") != "float32":
-        return False, "not float32 (cuDNN's tensor-core kernels serve half precision)"
-    groups = node.get("kwargs", {}).get("groups", 1)
-    shape = weight.get("shape") or []
-    if not isinstance(groups, int) or groups < 1 or len(shape) < 3 or shape[0] % groups:
-        return False, f"groups {groups!r} or weight shape {shape} unreadable"
+    shape, groups, why = float32_weight(analysis, node)
+    if why:
+        return False, why
     # (input, output) channels per group: a transposed weight is (in, out per group, *kernel)
     per_group = (shape[0] // groups, shape[1]) if transposed else (shape[1], shape[0] // groups)
     if min(per_group) < MIN_GROUP_CHANNELS:
@@ -202,6 +211,33 @@ def _as_forward_conv(w, spec):
     return w, pad, tuple(output_padding)
 
 
+def conv_geometry(x, w, stride, padding, dilation, padding_mode, reversed_padding, extra=None):
+    """A forward convolution's launch geometry, 1-D and 2-D lifted to 3-D with unit leading dims:
+    ``(x, size, kernel, stride, dilation, pad, out)``, ``x`` contiguous and, for a padding mode
+    other than zeros or a string padding, padded first (``pad`` then zeros); ``extra`` output
+    positions at the end of each dim (a transposed convolution's ``output_padding``)."""
+    nd = w.dim() - 2
+    if padding_mode != "zeros" or isinstance(padding, str):
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+        x = F.pad(x, reversed_padding, mode=mode)
+        padding = (0,) * nd
+    lift = (1,) * (3 - nd)
+    x = x.contiguous()
+    size = lift + tuple(x.shape[2:])
+    kernel = lift + tuple(w.shape[2:])
+    stride = lift + tuple(stride)
+    dilation = lift + tuple(dilation)
+    pad = (0,) * (3 - nd) + tuple(padding)
+    extra = (0,) * (3 - nd) + tuple(extra or (0,) * nd)
+    out = tuple(
+        (i + 2 * p - d * (k - 1) - 1) // s + 1 + e
+        for i, p, d, k, s, e in zip(size, pad, dilation, kernel, stride, extra)
+    )
+    if min(out) <= 0:
+        raise RuntimeError(f"the input {tuple(x.shape)} is smaller than the convolution's kernel")
+    return x, size, kernel, stride, dilation, pad, out
+
+
 def conv_tf32x3(x, w, bias, spec, params):
     """An nn.Conv1d/2d/3d module's call on ``x`` (weight ``w``, ``bias``, :func:`conv_spec`): the
     implicit-GEMM kernel in TF32x3 for float32 tensors on a GPU (or the interpreter)."""
@@ -217,28 +253,13 @@ def conv_tf32x3(x, w, bias, spec, params):
         return (F.conv1d, F.conv2d, F.conv3d)[nd - 1](x, w, bias, stride, padding, dilation, groups)
     if x.dim() == nd + 1:  # an unbatched input
         return conv_tf32x3(x.unsqueeze(0), w, bias, spec, params).squeeze(0)
-    extra = (0,) * nd
+    extra = None
     if transposed:
         w, padding, extra = _as_forward_conv(w, spec)
-    elif padding_mode != "zeros" or isinstance(padding, str):
-        mode = "constant" if padding_mode == "zeros" else padding_mode
-        x = F.pad(x, reversed_padding, mode=mode)
-        padding = (0,) * nd
-    lift = (1,) * (3 - nd)
-    x = x.contiguous()
-    n, c = x.shape[:2]
-    size = lift + tuple(x.shape[2:])
-    kernel = lift + tuple(w.shape[2:])
-    stride = lift + tuple(stride)
-    dilation = lift + tuple(dilation)
-    pad = (0,) * (3 - nd) + tuple(padding)
-    extra = (0,) * (3 - nd) + tuple(extra)
-    out = tuple(
-        (i + 2 * p - d * (k - 1) - 1) // s + 1 + e
-        for i, p, d, k, s, e in zip(size, pad, dilation, kernel, stride, extra)
+    x, size, kernel, stride, dilation, pad, out = conv_geometry(
+        x, w, stride, padding, dilation, padding_mode, reversed_padding, extra
     )
-    if min(out) <= 0:
-        raise RuntimeError(f"the input {tuple(x.shape)} is smaller than the convolution's kernel")
+    n, c = x.shape[:2]
     oc = w.shape[0]
     y = torch.empty((n, oc, *out), dtype=torch.float32, device=x.device)
     if y.numel() == 0:

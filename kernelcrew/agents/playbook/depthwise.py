@@ -25,13 +25,16 @@ tensors other than float32, stay the library's (the host function calls it).
 
 The host function ``conv_direct(x, weight, bias, spec, params)`` (``spec``: the module's stride,
 padding, dilation, groups, padding mode, ``_reversed_padding_repeated_twice``, ``transposed`` and
-``output_padding``) and the kernel are :data:`SOURCE`, emitted into candidates.
+``output_padding``) and the kernel are :data:`SOURCE`, emitted into candidates after
+:data:`.conv.SOURCE`, whose ``conv_geometry`` (padding, lifting to 3-D, output size) it shares.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from kernelcrew.agents.playbook.conv import float32_weight
 
 #: Input and output channels per group up to which the direct kernel applies: each output is a sum
 #: of at most 4 x taps FMAs per position, memory-bound, with no tensor-core tile to fill.
@@ -55,13 +58,9 @@ def eligible(analysis: Any, node: dict[str, Any]) -> tuple[bool, str]:
     """Whether the direct kernel replaces this call of a convolution module, and why (not)."""
     if node.get("kind") != "call_module" or node.get("module_type") not in MODULES:
         return False, "not a call of an nn.Conv1d/2d/3d module"
-    weight = next((e for e in analysis.state_dict if e["name"] == f"{node['target']}.weight"), None)
-    if node.get("dtype") != "float32" or weight is None or weight.get("dtype") != "float32":
-        return False, "not float32 (cuDNN's kernels serve half precision)"
-    groups = node.get("kwargs", {}).get("groups", 1)
-    shape = weight.get("shape") or []
-    if not isinstance(groups, int) or groups < 1 or len(shape) < 3 or shape[0] % groups:
-        return False, f"groups {groups!r} or weight shape {shape} unreadable"
+    shape, groups, why = float32_weight(analysis, node)
+    if why:
+        return False, why
     per_group = (shape[1], shape[0] // groups)
     if max(per_group) > MAX_GROUP_CHANNELS:
         return False, (
@@ -168,21 +167,10 @@ def conv_direct(x, w, bias, spec, params):
         raise ValueError(
             f"input {tuple(x.shape)} does not fit the weight {tuple(w.shape)} with {groups} group(s)"
         )
-    if padding_mode != "zeros" or isinstance(padding, str):
-        mode = "constant" if padding_mode == "zeros" else padding_mode
-        x = F.pad(x, reversed_padding, mode=mode)
-        padding = (0,) * nd
-    lift = (1,) * (3 - nd)
-    x = x.contiguous()
+    x, size, kernel, stride, dilation, pad, out = conv_geometry(
+        x, w, stride, padding, dilation, padding_mode, reversed_padding
+    )
     n, c = x.shape[:2]
-    size = lift + tuple(x.shape[2:])
-    kernel = lift + tuple(w.shape[2:])
-    stride = lift + tuple(stride)
-    dilation = lift + tuple(dilation)
-    pad = (0,) * (3 - nd) + tuple(padding)
-    out = tuple((i + 2 * p - d * (k - 1) - 1) // s + 1 for i, p, d, k, s in zip(size, pad, dilation, kernel, stride))
-    if min(out) <= 0:
-        raise RuntimeError(f"the input {tuple(x.shape)} is smaller than the convolution's kernel")
     oc = w.shape[0]
     y = torch.empty((n, oc, *out), dtype=torch.float32, device=x.device)
     if y.numel() == 0:
