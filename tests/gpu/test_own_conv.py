@@ -1,7 +1,7 @@
-"""The own TF32x3 kernels of ``anchored_fusion`` on the GPU: float32 convolutions (implicit GEMM,
-transposed ones of stride 1 among them)
-and linear layers (GEMM heads) judged by ``kernelcrew verify`` at strict float32 tolerances, on the
-tensor cores this time (the CPU tests run them in Triton's interpreter, in NumPy's float32)."""
+"""The own kernels of ``anchored_fusion`` on the GPU: float32 convolutions (the TF32x3 implicit GEMM,
+stride-1 transposed ones among them; depthwise ones by the direct kernel) and linear layers (GEMM
+heads) judged by ``kernelcrew verify`` at strict float32 tolerances, on the tensor cores this time
+(the CPU tests run them in Triton's interpreter, in NumPy's float32)."""
 
 from __future__ import annotations
 
