@@ -36,6 +36,7 @@ from typing import Any
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
 from kernelcrew.agents.playbook.compiler import REFERENCE_NAME, checked_copy, reference_source
 from kernelcrew.agents.playbook.pointwise import HELPERS, arch_class
+from kernelcrew.task import parse_python
 
 DTYPES = frozenset({"float32", "float16", "bfloat16"})
 #: Reductions that accumulate in float32 (``prod`` multiplies).
@@ -248,7 +249,7 @@ def check_params(params: dict[str, Any]) -> dict[str, int]:
 def _top_level_names(source: str) -> set[str]:
     """The names a module's top-level statements bind."""
     names: set[str] = set()
-    for stmt in ast.parse(source).body:
+    for stmt in parse_python(source).body:
         if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(stmt.name)
         elif isinstance(stmt, ast.Import | ast.ImportFrom):
