@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kernelcrew.config import get_settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def interpreted_json(args: list[str], timeout: float = 600) -> Any:
+    """``python ARGS`` from the repository root in a fresh interpreter under Triton's interpreter
+    (``TRITON_INTERPRET`` must be set before Triton is imported, and the interpreter patches
+    ``triton.language`` of the kernel's module, which another test may have imported anew): the last
+    line it printed, as JSON. A nonzero exit fails the test with the end of its stderr."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(autouse=True, scope="session")

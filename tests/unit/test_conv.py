@@ -3,20 +3,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch.nn as nn
 
 from kernelcrew.agents.playbook import conv
 from kernelcrew.agents.playbook.analysis import TaskAnalysis
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.conftest import interpreted_json
 
 CASES = {
     "conv2d": (nn.Conv2d(3, 16, 3), (2, 3, 9, 11)),
@@ -79,17 +71,7 @@ def errors(tmp_path_factory):
     """Each case's worst error of the kernel (interpreted) against torch in float64, relative to
     the output's largest magnitude; None for a wrong shape or dtype."""
     source = tmp_path_factory.mktemp("conv") / "own_conv.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, str(source)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_json(["-c", CHECK, str(source)], timeout=600)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -3,20 +3,12 @@ the CPU (Triton's interpreter)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch.nn as nn
 
 from kernelcrew.agents.playbook import depthwise
+from tests.conftest import interpreted_json
 from tests.unit.test_conv import _node, _weights
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 #: Small shapes (the interpreter is slow): a few hundred output positions each.
 CASES = {
@@ -96,17 +88,7 @@ print(json.dumps(out))
 def results(tmp_path_factory):
     """Each case's mismatch against torch (None if close) and whether the kernel ran as expected."""
     source = tmp_path_factory.mktemp("depthwise") / "own_depthwise.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, str(source)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_json(["-c", CHECK, str(source)], timeout=300)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

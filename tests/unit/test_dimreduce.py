@@ -3,13 +3,8 @@ on the CPU (Triton's interpreter)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -17,9 +12,8 @@ from kernelcrew.agents.playbook import dimreduce
 from kernelcrew.config import Settings
 from kernelcrew.tools.anticheat import static_check
 from kernelcrew.tools.correctness import make_golden, verify
-from tests.conftest import local_analysis
+from tests.conftest import interpreted_json, local_analysis
 
-ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = Settings(sandbox_timeout_s=300)
 
 
@@ -259,17 +253,7 @@ def kernel_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dimreduce")
     candidate = dimreduce.generate(source, analysis, plan, dimreduce.tuning_space(plan, "cpu")[0])
     (folder / "own_dimreduce.py").write_text(candidate)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, str(folder)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_json(["-c", CHECK, str(folder)], timeout=300)
 
 
 def test_the_kernels_match_torch_with_ties_and_nans(kernel_results):

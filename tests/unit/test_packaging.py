@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,9 +12,8 @@ from kernelcrew.agents.playbook.analysis import TaskAnalysis, analyze_child
 from kernelcrew.task import TaskError
 from kernelcrew.tools.correctness import verify
 from kernelcrew.tools.packaging import MARKER, custom_op_name, launched_kernels, packable, package, unpack
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, interpreted_json
 
-ROOT = Path(__file__).resolve().parents[2]
 POINTWISE = FIXTURES / "tasks" / "pointwise.py"
 GROUPNORM = FIXTURES / "tasks" / "rows" / "groupnorm_silu.py"
 LINEAR_RELU = FIXTURES / "tasks" / "linear_relu.py"
@@ -139,23 +135,12 @@ USER_MODEL = textwrap.dedent(
 def test_packaged_best_works_inside_a_users_compiled_model(task, strategy, tmp_path):
     """The user's torch.compile(fullgraph=True) takes the module whole, as one custom op node, and
     computes what the reference does, at the task's shapes and at its other test shapes."""
-    import json
 
     best = tmp_path / "best.py"
     best.write_text(package(candidate(task, strategy)))
     script = tmp_path / "user.py"
     script.write_text(USER_MODEL)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(
-        [sys.executable, str(script), str(task), str(best)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    result = json.loads(res.stdout.strip().splitlines()[-1])
+    result = interpreted_json([str(script), str(task), str(best)])
     for eager_err, compiled_err in result["errors"].values():
         assert eager_err < 1e-4 and compiled_err < 1e-4
     op = custom_op_name(best.read_text()).replace("::", ".")  # as the graph names it

@@ -238,19 +238,25 @@ def conv_geometry(x, w, stride, padding, dilation, padding_mode, reversed_paddin
     return x, size, kernel, stride, dilation, pad, out
 
 
+def library_conv(x, w, bias, spec):
+    """The module's own call of the library on ``x`` (:func:`conv_spec`), transposed or not."""
+    stride, padding, dilation, groups, padding_mode, reversed_padding, transposed, output_padding = spec
+    nd = w.dim() - 2
+    if transposed:
+        call = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+        return call(x, w, bias, stride, padding, output_padding, groups, dilation)
+    if padding_mode != "zeros":
+        x, padding = F.pad(x, reversed_padding, mode=padding_mode), 0
+    return (F.conv1d, F.conv2d, F.conv3d)[nd - 1](x, w, bias, stride, padding, dilation, groups)
+
+
 def conv_tf32x3(x, w, bias, spec, params):
     """An nn.Conv1d/2d/3d module's call on ``x`` (weight ``w``, ``bias``, :func:`conv_spec`): the
     implicit-GEMM kernel in TF32x3 for float32 tensors on a GPU (or the interpreter)."""
     stride, padding, dilation, groups, padding_mode, reversed_padding, transposed, output_padding = spec
     nd = w.dim() - 2
-    library = x.dtype != torch.float32 or w.dtype != torch.float32 or (transposed and max(stride) > 1)
-    if library and transposed:  # the library call, as the module makes it
-        call = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
-        return call(x, w, bias, stride, padding, output_padding, groups, dilation)
-    if library:
-        if padding_mode != "zeros":
-            x, padding = F.pad(x, reversed_padding, mode=padding_mode), 0
-        return (F.conv1d, F.conv2d, F.conv3d)[nd - 1](x, w, bias, stride, padding, dilation, groups)
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or (transposed and max(stride) > 1):
+        return library_conv(x, w, bias, spec)
     if x.dim() == nd + 1:  # an unbatched input
         return conv_tf32x3(x.unsqueeze(0), w, bias, spec, params).squeeze(0)
     extra = None

@@ -26,7 +26,8 @@ tensors other than float32, stay the library's (the host function calls it).
 The host function ``conv_direct(x, weight, bias, spec, params)`` (``spec``: the module's stride,
 padding, dilation, groups, padding mode, ``_reversed_padding_repeated_twice``, ``transposed`` and
 ``output_padding``) and the kernel are :data:`SOURCE`, emitted into candidates after
-:data:`.conv.SOURCE`, whose ``conv_geometry`` (padding, lifting to 3-D, output size) it shares.
+:data:`.conv.SOURCE`, whose ``library_conv`` (the module's own call) and ``conv_geometry``
+(padding, lifting to 3-D, output size) it shares.
 """
 
 from __future__ import annotations
@@ -151,16 +152,10 @@ def conv_direct(x, w, bias, spec, params):
     """An nn.Conv1d/2d/3d module's call on ``x`` (weight ``w``, ``bias``, ``spec``: stride, padding,
     dilation, groups, padding mode, reversed padding, transposed, output padding): the direct kernel
     for float32 tensors on a GPU (or the interpreter), the library's call otherwise."""
-    stride, padding, dilation, groups, padding_mode, reversed_padding, transposed, output_padding = spec
+    stride, padding, dilation, groups, padding_mode, reversed_padding, transposed, _ = spec
     nd = w.dim() - 2
-    if transposed:  # the library call, as the module makes it
-        return (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1](
-            x, w, bias, stride, padding, output_padding, groups, dilation
-        )
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        if padding_mode != "zeros":
-            x, padding = F.pad(x, reversed_padding, mode=padding_mode), 0
-        return (F.conv1d, F.conv2d, F.conv3d)[nd - 1](x, w, bias, stride, padding, dilation, groups)
+    if transposed or x.dtype != torch.float32 or w.dtype != torch.float32:
+        return library_conv(x, w, bias, spec)
     if x.dim() == nd + 1:  # an unbatched input
         return conv_direct(x.unsqueeze(0), w, bias, spec, params).squeeze(0)
     if x.dim() != nd + 2 or x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
