@@ -39,6 +39,7 @@ from kernelcrew.agents.planner import (
     reference_timing_s,
     refused_by_user,
     step_key,
+    wants_parity_answer,
 )
 from kernelcrew.agents.profiler import NCU_COST, diagnose, with_ncu
 from kernelcrew.agents.prompts.sections import ncu_text
@@ -65,13 +66,14 @@ def is_better(new: Candidate, best: Candidate | None, device: str) -> bool:
 
 def at_parity(new: Candidate, runner_up: Candidate | None) -> bool:
     """Whether ``new`` (verified and timed on a GPU, not significantly faster than eager) should
-    replace ``runner_up``: its speedup's interval reaches 1 (not significantly slower than eager)
-    and it is faster than the runner-up."""
+    replace ``runner_up``: its speedup's interval reaches 1 (not significantly slower than eager),
+    or it is slower by less than ``NOISE`` (the gain a better answer must show), and it is faster
+    than the runner-up."""
     if new.verdict != "pass" or new.time_ms is None or new.speedup_eager is None:
         return False
     ci = new.speedup_eager_ci or []
     high = ci[1] if len(ci) == 2 and ci[1] is not None else new.speedup_eager * (1 + NOISE)
-    if high < 1.0:
+    if high < 1.0 and new.speedup_eager < 1.0 - NOISE:
         return False
     return runner_up is None or runner_up.time_ms is None or new.time_ms < runner_up.time_ms
 
@@ -247,7 +249,11 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         ctx.emit("verify", candidate=cand.id, verdict=cand.verdict, stage=cand.stage, message=cand.message)
         timed = timed_by_baseline(state, cand, mode) if cand.verdict == "pass" else cand
     kept = timed.verdict == "pass" and (opts.device == "cpu" or (timed.speedup_eager or 0.0) > 1.0)
-    if kept and state.best is not None and not (timed.time_ms or 0.0) < (state.best.time_ms or 0.0):
+    parity = wants_parity_answer(state) and timed.verdict == "pass" and at_parity(timed, None)
+    if parity:
+        kept = False  # not faster than eager: the run's answer at parity, never its best
+        note["kept_at_parity"] = True
+    elif kept and state.best is not None and not (timed.time_ms or 0.0) < (state.best.time_ms or 0.0):
         kept = False  # a step's answer came first and is as fast
         note["skipped"] = f"verified, but no faster than the answer {state.best.id}: not returned"
     elif not kept:
@@ -282,6 +288,8 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     if kept:
         update["best"] = timed
         update["diagnosis"] = diagnose(state.baseline, timed)
+    elif parity:
+        update["runner_up"] = timed
     return update
 
 

@@ -423,14 +423,29 @@ def final_reserve_s(state: CrewState) -> float:
 
 def fallback_mode(state: CrewState) -> str | None:
     """The fastest torch.compile mode the baseline measured faster than eager (beyond noise) that
-    the playbook's compiler strategies generate, or None."""
+    the playbook's compiler strategies generate; else, at the end of a GPU run that verified
+    nothing (:func:`wants_parity_answer`), the fastest such mode it measured at parity with eager
+    (within noise); or None."""
     modes = compiler_strategies()
-    faster = {
-        mode: ms
-        for mode, ms in state.baseline.compile_ms.items()
-        if mode in modes and _compile_beat_eager(state, mode)
-    }
+    eager = state.baseline.eager_ms or 0.0
+    measured = {m: ms for m, ms in state.baseline.compile_ms.items() if m in modes and eager}
+    faster = {m: ms for m, ms in measured.items() if _compile_beat_eager(state, m)}
+    if not faster and wants_parity_answer(state):
+        faster = {m: ms for m, ms in measured.items() if ms <= eager * (1 + NOISE)}
     return min(faster, key=lambda mode: faster[mode]) if faster else None
+
+
+def wants_parity_answer(state: CrewState) -> bool:
+    """Whether the run has ended on a GPU with no answer, not even one at parity with eager: then
+    a compile the baseline timed within noise of eager (it calls the same library kernels) is
+    verified and returned as a parity answer. Never while the run plans: it takes no time from
+    the steps."""
+    return (
+        bool(state.stop_reason)
+        and state.options.device != "cpu"
+        and state.best is None
+        and state.runner_up is None
+    )
 
 
 def refused_by_user(state: CrewState, strategy: str, params: dict[str, Any] | None = None) -> str:
@@ -455,7 +470,8 @@ def refused_by_user(state: CrewState, strategy: str, params: dict[str, Any] | No
 
 def fallback_step(state: CrewState) -> PlanStep | None:
     """The compiler candidate a run ends with when it has no faster verified answer: the baseline
-    measured it (torch.compile) faster than eager. None when the best is as fast (beyond noise; on
+    measured it (torch.compile) faster than eager, or at parity with eager when the run ended with
+    no answer at all (:func:`fallback_mode`). None when the best is as fast (beyond noise; on
     a CPU, any best: its answers are ranked by kind, not time), when nothing measured beat eager,
     when the user's guidance rules it out, or when a step already judged that candidate: failed,
     or timed not faster than eager."""
@@ -475,10 +491,19 @@ def fallback_step(state: CrewState) -> PlanStep | None:
         if record["verdict"] == "fail" or not (record.get("speedup_eager") or 0) > 1:
             return None
     eager, compiled = state.baseline.eager_ms or 0.0, state.baseline.compile_ms[mode]
+    if _compile_beat_eager(state, mode):
+        rationale = (
+            f"torch.compile ({mode}) ran {eager / compiled:.2f}x faster than eager in the baseline "
+            "and no faster answer was verified: its candidate is verified and returned"
+        )
+    else:
+        rationale = (
+            f"torch.compile ({mode}) ran at parity with eager in the baseline ({eager / compiled:.2f}x) "
+            "and no candidate was verified: its candidate is verified and returned as a parity answer"
+        )
     return PlanStep(
         strategy=name,
-        rationale=f"torch.compile ({mode}) ran {eager / compiled:.2f}x faster than eager in the baseline "
-        "and no faster answer was verified: its candidate is verified and returned",
+        rationale=rationale,
         expected_gain=min(max(eager / compiled, 1.001), 1000),
         source="playbook",
     )

@@ -914,10 +914,15 @@ def _frame_diagnostic(
 
 
 def _first_line(text: str, limit: int = 300) -> str:
-    for line in text.strip().splitlines():
-        if line.strip():
-            return line.strip()[:limit]
-    return ""
+    """The first non-blank line; when it only introduces the error (torch.compile's
+    ``backend='inductor' raised:``), with the line that names it."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    head = lines[0]
+    if head.endswith(":") and len(lines) > 1:
+        head = f"{head} {lines[1]}"
+    return head[:limit]
 
 
 def _headline(diags: list[Diagnostic]) -> Diagnostic | None:

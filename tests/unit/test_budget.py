@@ -128,7 +128,11 @@ def test_the_fallback_is_the_compile_mode_that_beat_eager_unless_a_step_judged_i
     s.stop_reason = "no strategy left to try"
     assert route_after_decide(s) == "fall_back"
     s.baseline.compile_ms = {"default": 1.99}  # within noise of eager: nothing beat it
-    assert fallback_step(s) is None and route_after_decide(s) == "finalize"
+    s.runner_up = Candidate(
+        id="c0", strategy="fused_pointwise", source_kind="kernel", source="", verdict="pass"
+    )
+    assert fallback_step(s) is None and route_after_decide(s) == "finalize", "a parity answer is there"
+    s.runner_up = None
     s.baseline.compile_ms = {"default": 1.5, "max-autotune-no-cudagraphs": 1.2, "reduce-overhead": 0.5}
     assert fallback_step(s).strategy == "torch_compile_max_autotune"  # no candidate of reduce-overhead
     s.iterations = [{"step": 1, "strategy": "torch_compile_max_autotune", "verdict": "fail"}]
@@ -356,6 +360,7 @@ def test_the_compilers_measured_win_goes_first_and_steps_follow_it():
     s.options.max_iters, s.stop_reason = 6, "time budget reached (90 s)"
     assert route_after_fall_back(s) == "finalize", "the fallback at the end of a run"
     s.baseline.compile_ms = {"default": 1.99}  # within noise of eager: nothing to insure with
+    s.stop_reason = ""  # right after the baseline: the run has not ended
     assert route_after_baseline(s) == "plan"
 
 
@@ -569,3 +574,53 @@ def test_the_insurance_fallback_runs_however_much_of_the_budget_the_baseline_use
     assert (
         executor.asked == 1 and "not verified: it would take about" in update["budget"]["fallback"]["skipped"]
     )
+
+
+def test_a_run_that_verified_nothing_ends_with_the_compile_it_measured_at_parity():
+    """On an H100 three level-1 tasks (a conv3d, a grouped transposed conv3d, a tall-skinny matmul)
+    ended with no answer although the baseline timed torch.compile within noise of eager (it calls
+    the same library). At the end of a GPU run with nothing verified, that compile is verified and
+    returned as a parity answer; it is never planned or reserved ahead of the steps."""
+    parity = {"eager_ms": 2.0, "compile_ms": {"default": 2.01}, "compile_s": {"default": 4.0}}
+    parity["phase_s"] = {"golden": 5.0, "benchmark": 9.0}
+    s = state(baseline=parity)
+    assert fallback_step(s) is None, "while the run plans, the steps keep the whole budget"
+    from kernelcrew.agents import planner
+
+    assert planner.fallback_seconds(s) == 0.0
+    ended = replace(s, stop_reason="no strategy left to try")
+    step = fallback_step(ended)
+    assert step is not None and step.strategy == "torch_compile" and "parity" in step.rationale
+    assert route_after_decide(ended) == "fall_back"
+    runner_up = Candidate(
+        id="c1", strategy="fused_pointwise", source_kind="kernel", source="", verdict="pass"
+    )
+    assert fallback_step(replace(ended, runner_up=runner_up)) is None, "the run has a parity answer"
+    slower = {**parity, "compile_ms": {"default": 2.2}}
+    assert fallback_step(replace(ended, baseline=slower)) is None, "significantly slower: no answer"
+    assert fallback_step(replace(ended, options=Options(device="cpu", time_budget_s=100.0))) is None
+
+
+def test_the_parity_fallback_is_kept_as_the_runner_up_and_answers_as_the_compiler():
+    from kernelcrew.agents.context import CrewContext
+    from kernelcrew.agents.decide import fall_back
+    from kernelcrew.records import Verdict
+
+    class Passing:
+        def verify(self, request):
+            return Verdict(
+                verdict="pass", stage="done", message="ok", seed=0, device="cuda", precision="strict"
+            )
+
+    parity = {"eager_ms": 2.0, "compile_ms": {"default": 2.01}, "compile_s": {"default": 4.0}}
+    parity["phase_s"] = {"golden": 5.0, "benchmark": 9.0}
+    s = state(task_source=CHAIN, baseline=parity, stop_reason="no strategy left to try")
+    update = fall_back(s, SimpleNamespace(context=CrewContext(executor=Passing())))
+    assert "best" not in update, "not faster than eager: never the best"
+    assert update["runner_up"].id == "fallback" and update["runner_up"].time_ms == pytest.approx(2.01)
+    assert not update["runner_up"].significant
+    done = replace(s, best=update["runner_up"], budget=update["budget"])
+    report = Report(run_id="r", status="no_significant_gain", task="t", device="cuda")
+    report.best = SimpleNamespace(id="fallback", strategy="torch_compile", kind="compiler")
+    said = answer(done, report)
+    assert said["answer"] == "compiler" and "parity" in said["why"]

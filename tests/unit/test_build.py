@@ -533,3 +533,22 @@ def test_cpp_error_with_the_real_torch_header(tmp_path):
         load_candidate_module(source, PATH, root=tmp_path)
     head = info.value.diagnostics[0]
     assert (head.file, head.line) == (PATH, line_of(source, "    return total;"))
+
+
+def test_a_torch_compile_back_end_failure_says_what_failed():
+    """torch.compile's BackendCompilerFailed starts with ``backend='inductor' raised:`` and names
+    the error on the next line: a ShuffleNet block's compiler candidate failed on an H100 with a
+    message that stopped at "raised:"."""
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("no lowering for aten.channel_shuffle")
+
+    try:
+        torch.compile(lambda x: x * 2 + 1, backend=failing_backend)(torch.ones(3))
+    except Exception as exc:  # whatever torch.compile raises is what is described
+        err = describe_exception(exc, PATH, "x = 1\n")
+    else:
+        pytest.fail("the back end's failure was not raised")
+    assert err is not None and err.tool == "torch_compile"
+    assert str(err).startswith("torch.compile failed: backend=")
+    assert "RuntimeError: no lowering for aten.channel_shuffle" in str(err)
