@@ -982,12 +982,14 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         )
         del first, first_copy, second
 
-        # A user's call may run with autograd on or in inference mode: the same answer there.
+        # A user's call may run with autograd on or in inference mode: the same answer there. A
+        # candidate that cannot run so (torch.compile refuses an in-place update its backward
+        # would need, where eager runs the forward) is noted, not failed: the task is a forward.
         for mode_name, mode in (("grad", torch.enable_grad), ("inference", torch.inference_mode)):
             try:
                 out = call(clone_tensors(on_device(first_set)), f"input set 0 with {mode_name} mode", mode)
             except StageError as exc:
-                if exc.stage != "runtime":
+                if exc.stage not in ("runtime", "build"):
                     raise
                 notes.append(f"does not run in {mode_name} mode: {exc.message[:200]}")
                 continue

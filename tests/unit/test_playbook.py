@@ -557,6 +557,47 @@ def test_torch_compile_candidate_passes_verify():
     assert verdict.kind == "compiler"
 
 
+INPLACE_AFTER_RELU = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.shortcut = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            out = F.relu(self.conv(x))
+            out += self.shortcut(x)  # in place on what relu's backward needs: fine in a forward
+            return out
+
+
+    def get_inputs():
+        return [torch.randn(2, 3, 8, 8)]
+
+
+    def get_init_inputs():
+        return []
+    """
+)
+
+
+def test_a_compile_that_fails_only_under_autograd_passes_with_a_note():
+    """ShuffleNet's residual ``out += shortcut(x)`` after a ReLU: torch.compile under autograd
+    refuses the in-place update of a value its backward needs, while eager runs the forward. The
+    verifier's grad-mode call of a candidate is a check of what a user may do, not of what the
+    task asks: the compiler's candidate passes, and the verdict notes the grad mode."""
+    candidate = generate_compiled(INPLACE_AFTER_RELU, "default")
+    verdict = verify(INPLACE_AFTER_RELU, candidate, device="cpu", settings=SETTINGS)
+    assert verdict.passed, (verdict.stage, verdict.message, verdict.failures[:2])
+    notes = " ".join(verdict.flags)
+    assert "does not run in grad mode" in notes and "torch.compile failed" in notes
+
+
 # ----------------------------------------------------------------------------------------------
 # torch.compile candidates and the menu
 # ----------------------------------------------------------------------------------------------
