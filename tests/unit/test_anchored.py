@@ -406,3 +406,52 @@ def test_the_playbook_tries_it_before_the_compiler():
     names = [s.name for s, _ in applicable(analysis)]
     assert names.index("anchored_fusion") < names.index("torch_compile")
     assert "anchored_fusion" not in playbook.rejected(analysis)
+
+
+#: KernelBench level 2's pattern: a convolution with few input channels (cuDNN's), then elementwise
+#: math with a per-channel parameter; a strided transposed one; one whose output is read twice.
+CONV_BIAS = task(
+    "self.conv = nn.Conv2d(3, 8, 3)\nself.bias = nn.Parameter(torch.randn(8, 1, 1))",
+    "return torch.tanh(self.conv(x)) * 2.0 + self.bias",
+    "torch.randn(2, 3, 10, 9)",
+    "[[torch.randn(1, 3, 6, 7)]]",
+)
+TRANSPOSED_BIAS = task(
+    "self.up = nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1)",
+    "return torch.relu(self.up(x)) - 0.5",
+    "torch.randn(2, 4, 11)",
+    "[]",
+)
+READ_TWICE = task(
+    "self.conv = nn.Conv2d(3, 8, 3)",
+    "y = self.conv(x)\nreturn F.max_pool2d(torch.sigmoid(y), 2) + F.avg_pool2d(y, 2)",
+    "torch.randn(2, 3, 10, 9)",
+    "[]",
+)
+
+
+@pytest.mark.parametrize("source", [CONV_BIAS, TRANSPOSED_BIAS], ids=["conv2d", "conv_transpose1d"])
+def test_a_library_convolutions_bias_is_added_by_the_region_after_it(source):
+    """PyTorch adds a convolution's bias in a pass of its own over the output; the region that
+    reads the output adds it for free (torch.compile does the same), and the library's
+    convolution runs without it."""
+    analysis = local_analysis(source)
+    plan, reason = anchored.match(analysis)
+    assert plan is not None, reason
+    [(node, (target, nd))] = plan.bias_folds.items()
+    assert target == node and nd == (2 if "Conv2d" in source else 1)
+    region = plan.regions[0]
+    assert node not in region.nodes and region.analysis.node(f"{node}_biased")["op"] == "add"
+    assert ("node", f"{node}_bias") in region.args
+    assert "the bias of 1 library convolution(s) added in the region after it" in reason
+    params = playbook.tuning_space("anchored_fusion", analysis, "cpu")[0]
+    candidate = generate("anchored_fusion", source, analysis, params)
+    assert static_check(candidate) == []
+    assert f"BIAS_FOLDS = {{\n    {node!r}: ({target!r}, " in candidate
+    _passes_as_own_kernels(source, candidate)
+
+
+def test_a_convolution_read_twice_keeps_its_bias():
+    plan, reason = anchored.match(local_analysis(READ_TWICE))
+    assert plan is not None, reason
+    assert plan.bias_folds == {}

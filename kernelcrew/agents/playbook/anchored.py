@@ -108,6 +108,10 @@ class AnchoredPlan:
     #: Module paths of the float32 convolutions with few channels per group (depthwise) that the
     #: own direct convolution kernel may run.
     directs: list[str] = field(default_factory=list)
+    #: Library convolutions whose bias the region after them adds (graph node -> module path): the
+    #: library's convolution then runs without it, which saves the separate pass over its output
+    #: that PyTorch's convolutions spend on the bias.
+    bias_folds: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,6 +134,8 @@ def match(analysis: TaskAnalysis) -> tuple[AnchoredPlan | None, str]:
     convs = f"; {len(plan.convs)} float32 convolution(s) as own TF32x3 kernels" if plan.convs else ""
     if plan.directs:
         convs += f"; {len(plan.directs)} depthwise convolution(s) as own direct kernels"
+    if plan.bias_folds:
+        convs += f"; the bias of {len(plan.bias_folds)} library convolution(s) added in the region after it"
     return plan, (
         f"library anchors ({anchors}) kept; {len(plan.regions)} region(s) between them fused into "
         f"own kernels ({ops}){left}{convs}"
@@ -217,9 +223,85 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
                 i += 1
     convs = list(dict.fromkeys(n["target"] for n in a.nodes if conv.eligible(a, n)[0]))
     directs = list(dict.fromkeys(n["target"] for n in a.nodes if depthwise.eligible(a, n)[0]))
+    folds: dict[str, str] = {}
+    for k, region in enumerate(regions):
+        folded = _fold_conv_bias(a, region, users, {*convs, *directs})
+        if folded is not None:
+            regions[k], (node, target, nd) = folded
+            folds[node] = (target, nd)
     return AnchoredPlan(
-        regions, left, anchors, traced_at_shapes=a.traced_at_shapes, convs=convs, directs=directs
+        regions,
+        left,
+        anchors,
+        traced_at_shapes=a.traced_at_shapes,
+        convs=convs,
+        directs=directs,
+        bias_folds=folds,
     )
+
+
+def _fold_conv_bias(
+    a: TaskAnalysis, region: Region, users: dict[str, list[str]], own: set[str]
+) -> tuple[Region, tuple[str, str, int]] | None:
+    """``region`` lowered again with the bias of the library convolution it reads added as its
+    first op (and that convolution's node and module), or None: the region reads no such
+    convolution, something else reads the convolution's output, or the region then lowers nowhere.
+
+    PyTorch's convolutions add their bias in a separate pass over the output (``output.add_``
+    after cuDNN's call), which the region's kernel does for free as it reads that output."""
+    if region.generator not in ("pointwise", "rows"):
+        return None
+    for kind, name in region.args:
+        if kind != "node":
+            continue
+        source = a.node(name)
+        bias = (source.get("kwargs") or {}).get("bias")
+        if (
+            source.get("kind") != "call_module"
+            or source.get("module_type") not in conv.MODULES
+            or source["target"] in own
+            or len(source.get("args") or []) != 1
+            or not isinstance(bias, dict)
+            or "param" not in bias
+            or not source.get("shape")
+            or any(u not in region.nodes for u in users.get(name, []))
+        ):
+            continue
+        weight, _, _ = conv.float32_weight(a, source)
+        rank, nd = len(source["shape"]), len(weight) - 2
+        if nd < 1 or rank not in (nd + 1, nd + 2):
+            continue
+        channels = source["shape"][1 if rank == nd + 2 else 0]
+        holder = {
+            "name": f"{name}_bias", "kind": "placeholder", "op": "input", "target": f"{name}_bias",
+            "args": [], "kwargs": {}, "shape": [channels] + [1] * nd, "dtype": source.get("dtype"),
+        }  # fmt: skip
+        add = {
+            "name": f"{name}_biased", "kind": "call_function", "target": "operator.add", "op": "add",
+            "args": [{"ref": name}, {"ref": holder["name"]}], "kwargs": {},
+            "shape": source["shape"], "dtype": source.get("dtype"),
+        }  # fmt: skip
+        piece = [add] + [_renamed(a.node(n), name, add["name"]) for n in region.nodes]
+        widened = TaskAnalysis({**a.data, "nodes": [*a.data["nodes"], holder, add]})
+        lowered = _lower(widened, piece)
+        if lowered is None:
+            return None
+        lowered.nodes = region.nodes  # the graph's own nodes: the add is the kernel's
+        return lowered, (name, source["target"], nd)
+    return None
+
+
+def _renamed(node: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """A copy of ``node`` whose arguments read ``new`` where they read ``old``."""
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {"ref": new} if value == {"ref": old} else {k: swap(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    return {**node, "args": swap(node["args"]), "kwargs": swap(node["kwargs"])}
 
 
 def _gemm_head(node: dict[str, Any]) -> bool:
@@ -519,6 +601,11 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
                 weights.append(entry)
             indices.append(weights.index(entry))
         (convs if target in plan.convs else directs)[target] = tuple(indices)
+    folds = {}
+    for node_name, (target, nd) in plan.bias_folds.items():
+        entries = [("parameter", f"{target}.weight"), ("parameter", f"{target}.bias")]
+        weights += [e for e in entries if e not in weights]
+        folds[node_name] = (target, *(weights.index(e) for e in entries), nd)
     for i, region in enumerate(plan.regions):
         if region.generator == "pointwise":
             source = pointwise.generate_pointwise(region.analysis, region.plan, p["pointwise"])
@@ -557,6 +644,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
         direct_note=", ".join(directs) or "none",
         conv_params=repr(p["conv"] if own_convs else {}),
         directs=_pretty_dict(directs),
+        bias_folds=_pretty_dict(folds),
         direct_params=repr(p["direct"] if directs else {}),
         conv_source=conv.SOURCE.strip("\n") + ("\n\n" + depthwise.SOURCE.strip("\n") if directs else ""),
     )
@@ -702,6 +790,9 @@ CONV_PARAMS = {conv_params}
 #: The same for the depthwise convolutions that run as the own direct kernel.
 DIRECT_CONVS = {directs}
 DIRECT_PARAMS = {direct_params}
+#: Library convolutions that run without their bias, the region after each adding it (its operand
+#: ``<node>_bias``): graph node -> (module path, WEIGHTS' indices of its weight and bias, spatial dims).
+BIAS_FOLDS = {bias_folds}
 
 
 {conv_source}
@@ -726,6 +817,28 @@ def _own_convs(root, graph, weights):
             call = graph.call_function(kernel, (*args, settings, params))
         node.replace_all_uses_with(call)
         graph.erase_node(node)
+
+
+def _per_channel(bias, nd):
+    """A convolution's bias as a (C, 1, ..., 1) tensor: it broadcasts over the output's channels."""
+    return bias.view(-1, *[1] * nd)
+
+
+def _fold_biases(root, graph, nodes, weights):
+    """Each convolution of BIAS_FOLDS called without its bias (the library's call of the module's
+    own settings), and its bias viewed per channel as a value of the graph (``<node>_bias``) for the
+    region that adds it."""
+    for name, (target, w, b, nd) in BIAS_FOLDS.items():
+        node = nodes.get(name)
+        if node is None or node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            raise RuntimeError(f"the traced graph has no one-argument call {{name}} of {{target}}")
+        settings = conv_spec(root.get_submodule(target))
+        with graph.inserting_before(node):
+            plain = graph.call_function(library_conv, (node.args[0], weights[w], None, settings))
+            nodes[f"{{name}}_bias"] = graph.call_function(_per_channel, (weights[b], nd))
+        node.replace_all_uses_with(plain)
+        graph.erase_node(node)
+        nodes[name] = plain
 
 
 def _trace(module):
@@ -758,6 +871,7 @@ def _rewrite(graph, root):
         with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
             last = graph.placeholder(f"_weight{{k}}", default_value=None)
         weights.append(last)
+    _fold_biases(root, graph, nodes, weights)
     for region in REGIONS:
         missing = [n for n in [*region["nodes"], *(a for k, a in region["args"] if k == "node")] if n not in nodes]
         if missing:
