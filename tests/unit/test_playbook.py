@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -778,3 +779,53 @@ def test_exact_gelu_and_a_linear_output_used_twice_get_no_epilogue_candidate():
     assert "exact (erf)" in why
     twice = erf.replace("return F.gelu(self.fc(x))", "y = self.fc(x)\n        return torch.relu(y) + y")
     assert "cublaslt_epilogue" in playbook.rejected(local_analysis(twice))
+
+
+#: A per-channel parameter over an NCHW input (KernelBench level 2's ``self.bias`` of shape
+#: (C, 1, 1)).
+PER_CHANNEL = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(6, 1, 1))
+
+    def forward(self, x):
+        return torch.tanh(x + self.bias) * 2.0
+
+
+def get_inputs():
+    return [torch.randn(3, 6, 7, 9)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_per_channel_operand_is_read_by_its_middle_dims_not_general_strides(tmp_path):
+    """On an H100 a per-channel bias read by GENERAL indexing (three 64-bit divisions a element)
+    made a region over a 128 x 64 x 126 x 126 output take 1.15 ms where reading and writing it
+    takes 0.35 ms. A run of the output's middle dims is one division and one remainder (MIDDLE);
+    offsets are 64-bit only where the output needs them."""
+    source = generate("fused_pointwise", BROADCAST, analyze(BROADCAST, "broadcast.py", settings=SETTINGS))
+    (tmp_path / "pointwise_layouts.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("pointwise_layouts", tmp_path / "pointwise_layouts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    namespace = vars(module)
+    layout, middle = namespace["_layout"], namespace["MIDDLE"]
+    assert layout((6, 1, 1), (3, 6, 7, 9)) == (middle, 6, 63, None)
+    assert layout((1, 6, 1, 1), (3, 6, 7, 9)) == (middle, 6, 63, None)
+    assert layout((5, 1), (4, 5, 11)) == (middle, 5, 11, None)
+    assert layout((6, 1, 9), (3, 6, 7, 9))[0] == namespace["GENERAL"]  # a broadcast dim inside
+    assert layout((7, 9), (3, 6, 7, 9))[0] == namespace["SUFFIX"]
+    assert "INDEX64=n_elements + 1024 >= 2**31" in source
+    candidate = generate(
+        "fused_pointwise", PER_CHANNEL, analyze(PER_CHANNEL, "per_channel.py", settings=SETTINGS)
+    )
+    verdict = verify(PER_CHANNEL, candidate, device="cpu", settings=SETTINGS)
+    assert verdict.passed, (verdict.stage, verdict.message, verdict.failures[:2])

@@ -6,7 +6,8 @@ constants; :func:`generate_pointwise` writes a candidate whose kernel loads ever
 its own broadcast indexing, evaluates the expression in fp32 (fp64 when the module uses float64)
 registers and stores once. Broadcasting is resolved at run time by the host code, per operand:
 ``FULL`` (same shape as the output), ``SUFFIX`` (the output's trailing dims: ``offs % n``),
-``PREFIX`` (its leading dims: ``offs // inner``), ``SCALAR`` (one element) or ``GENERAL``
+``PREFIX`` (its leading dims: ``offs // inner``), ``MIDDLE`` (a run of its middle dims, such as a
+per-channel parameter: ``offs // inner % n``), ``SCALAR`` (one element) or ``GENERAL``
 (per-dimension strides of the coalesced output shape, up to :data:`MAX_RANK` dims), so any input
 shape works and nothing of the example's sizes is baked in. Only core ``tl.*`` math is used
 (libdevice does not run under ``TRITON_INTERPRET=1``).
@@ -861,12 +862,15 @@ def generate_pointwise(
     # --- kernel ---
     ptrs = ", ".join(f"in{i}_ptr" for i in range(n))
     sizes = ", ".join(f"in{i}_n" for i in range(n))
+    inners = ", ".join(f"in{i}_inner" for i in range(n))
     strides = "\n".join(f"    {', '.join(f'in{i}_s{d}' for d in range(MAX_RANK))}," for i in range(n))
     modes = ", ".join(f"MODE{i}: tl.constexpr" for i in range(n))
     dims = ", ".join(f"dim{d}" for d in range(1, MAX_RANK))
     body = [
         "pid = tl.program_id(0)",
-        "offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+        "if INDEX64:  # int32 offsets otherwise: their divisions are several times cheaper",
+        "    pid = pid.to(tl.int64)",
+        "offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
         "mask = offs < n_elements",
         "if HAS_GENERAL:  # coordinates in the coalesced output shape (outermost first)",
         "    rem = offs",
@@ -886,6 +890,8 @@ def generate_pointwise(
             f"    p{i} = in{i}_ptr + offs // in{i}_n",
             f"elif MODE{i} == 3:  # SCALAR",
             f"    p{i} = in{i}_ptr + offs * 0",
+            f"elif MODE{i} == 5:  # MIDDLE",
+            f"    p{i} = in{i}_ptr + (offs // in{i}_inner) % in{i}_n",
             "else:  # GENERAL",
             f"    p{i} = in{i}_ptr + ({general})",
         ]
@@ -901,11 +907,13 @@ def generate_pointwise(
     launch_args = "\n".join(
         [*(f"        ops[{i}]," for i in range(n)), "        out,", "        n_elements,"]
         + [f"        sizes[{i}]," for i in range(n)]
+        + [f"        inners[{i}]," for i in range(n)]
         + ["        *dims,"]
         + [f"        *strides[{i}]," for i in range(n)]
         + [f"        MODE{i}=modes[{i}]," for i in range(n)]
         + [
             "        HAS_GENERAL=GENERAL in modes,",
+            f"        INDEX64=n_elements + {p['BLOCK_SIZE']} >= 2**31,",
             f"        BLOCK_SIZE={p['BLOCK_SIZE']},",
             f"        num_warps={p['num_warps']},",
         ]
@@ -934,6 +942,7 @@ SUFFIX = 1  # the output's trailing dims: offset % numel
 PREFIX = 2  # the output's leading dims: offset // inner size
 SCALAR = 3  # one element
 GENERAL = 4  # any other broadcast: per-dimension strides, 0 where broadcast
+MIDDLE = 5  # a run of the output's middle dims (a per-channel parameter): offset // inner % numel
 MAX_RANK = {MAX_RANK}
 {helpers}
 
@@ -942,22 +951,26 @@ def fused_pointwise_kernel(
     # operands and output
     {ptrs},
     out_ptr,
-    # sizes: elements of the output, per-operand size argument of SUFFIX/PREFIX
+    # sizes: elements of the output, per-operand size argument of SUFFIX/PREFIX/MIDDLE, and
+    # per-operand elements of the output dims after a MIDDLE operand's
     n_elements,
     {sizes},
+    {inners},
     # coalesced output dims 1..{MAX_RANK - 1} and per-operand element strides (GENERAL only)
     {dims},
 {strides}
     # meta-parameters
     {modes},
     HAS_GENERAL: tl.constexpr,
+    INDEX64: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
 {kernel_body}
 
 
 def _layout(shape, out_shape):
-    """(mode, size argument, strides) of a contiguous operand of ``shape`` broadcast to ``out_shape``."""
+    """(mode, size argument, inner size, strides) of a contiguous operand of ``shape`` broadcast
+    to ``out_shape``."""
     rank = len(out_shape)
     padded = [1] * (rank - len(shape)) + list(shape)
     numel = 1
@@ -967,21 +980,26 @@ def _layout(shape, out_shape):
     for s in out_shape:
         out_numel *= s
     if numel == out_numel:
-        return FULL, 1, None
+        return FULL, 1, 1, None
     if numel == 1:
-        return SCALAR, 1, None
+        return SCALAR, 1, 1, None
     kept = [i for i in range(rank) if padded[i] != 1]
     broadcast = [i for i in range(rank) if padded[i] == 1 and out_shape[i] != 1]
     if max(broadcast) < min(kept):
-        return SUFFIX, numel, None
+        return SUFFIX, numel, 1, None
     if min(broadcast) > max(kept):
-        return PREFIX, out_numel // numel, None
+        return PREFIX, out_numel // numel, 1, None
+    if not [i for i in broadcast if min(kept) < i < max(kept)]:
+        inner = 1
+        for s in out_shape[max(kept) + 1 :]:
+            inner *= s
+        return MIDDLE, numel, inner, None
     strides = [0] * rank
     step = 1
     for i in range(rank - 1, -1, -1):
         strides[i] = step if padded[i] != 1 else 0
         step *= padded[i]
-    return GENERAL, 1, strides
+    return GENERAL, 1, 1, strides
 
 
 def _coalesce(out_shape, strides):
@@ -1018,9 +1036,10 @@ def fused_pointwise({", ".join(args)}):
     if n_elements == 0:
         return out
     layouts = [_layout(tuple(t.shape), tuple(out_shape)) for t in ops]
-    modes = [m for m, _, _ in layouts]
-    sizes = [n for _, n, _ in layouts]
-    general = [s for _, _, s in layouts if s is not None]
+    modes = [m for m, _, _, _ in layouts]
+    sizes = [n for _, n, _, _ in layouts]
+    inners = [i for _, _, i, _ in layouts]
+    general = [s for _, _, _, s in layouts if s is not None]
     if general:
         all_dims, coalesced = _coalesce(tuple(out_shape), general)
     else:
