@@ -20,7 +20,8 @@ them. :func:`match` walks the traced graph in order and splits it into
   (parameter ``conv``; ``"library"`` keeps cuDNN's): each such module call of the traced graph
   calls the kernel instead. The other convolutions stay cuDNN's, in the reference's memory format
   (channels-last timed slower than contiguous on the float32 convolution tasks tried on an H100,
-  see docs/playbook.md).
+  see docs/playbook.md). A convolution left to the library whose output only the region after it
+  reads runs without its bias, and that region adds it as its first op (:func:`_fold_conv_bias`).
 
 The generators are reused on a *sub-analysis*: a copy of the piece's nodes whose outside values
 are placeholders (weights stay the module's own). A reduction over other dims than the last
@@ -108,9 +109,9 @@ class AnchoredPlan:
     #: Module paths of the float32 convolutions with few channels per group (depthwise) that the
     #: own direct convolution kernel may run.
     directs: list[str] = field(default_factory=list)
-    #: Library convolutions whose bias the region after them adds (graph node -> module path): the
-    #: library's convolution then runs without it, which saves the separate pass over its output
-    #: that PyTorch's convolutions spend on the bias.
+    #: Library convolutions whose bias the region after them adds (graph node -> (module path,
+    #: spatial dims)): the library's convolution then runs without it, which saves the separate pass
+    #: over its output that PyTorch's convolutions spend on the bias.
     bias_folds: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
@@ -223,7 +224,7 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
                 i += 1
     convs = list(dict.fromkeys(n["target"] for n in a.nodes if conv.eligible(a, n)[0]))
     directs = list(dict.fromkeys(n["target"] for n in a.nodes if depthwise.eligible(a, n)[0]))
-    folds: dict[str, str] = {}
+    folds: dict[str, tuple[str, int]] = {}
     for k, region in enumerate(regions):
         folded = _fold_conv_bias(a, region, users, {*convs, *directs})
         if folded is not None:
