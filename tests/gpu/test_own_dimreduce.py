@@ -14,7 +14,7 @@ from tests.unit.test_dimreduce import task
 pytestmark = pytest.mark.gpu
 
 TASKS = {
-    # KernelBench level 1's shape: a sum over the middle dim of (16, 256, 256), keepdim
+    # KernelBench level 1's task 47 (a sum over the middle dim, keepdim) at a smaller shape
     "sum-middle": task("torch.sum(x, dim=self.dim, keepdim=True)", "torch.randn(16, 256, 256)"),
     "mean-outer": task("torch.mean(x, dim=0)", "torch.randn(512, 4096)"),
     "argmax-middle": task("torch.argmax(x, dim=self.dim)", "torch.randn(64, 1024, 96)"),
