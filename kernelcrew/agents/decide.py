@@ -186,7 +186,9 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     went on to a first step anyway and ended past the budget with nothing (the steps after it must
     fit the budget). At the end of a run, with no answer or a step's answer it is faster than, it
     runs when it ends inside the budget plus the run's tolerance (``GRACE``); otherwise the report
-    says why it did not.
+    says why it did not. A compile the baseline timed at parity with eager, at the end of a GPU run
+    with no answer at all (:func:`~kernelcrew.agents.planner.wants_parity_answer`), is kept as the
+    runner-up when it verifies: the run's answer at parity, never its best.
     """
     from kernelcrew.agents.playbook.compiler import generate_compiled
 
@@ -194,7 +196,9 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
     step = fallback_step(state)
     mode = fallback_mode(state)
     if step is None or mode is None:
-        raise ValueError("fall_back reached without a measured configuration faster than eager")
+        raise ValueError(
+            "fall_back reached without a measured configuration faster than eager (or at parity at the end)"
+        )
     started = time.time()
     opts = state.options
     used = started - state.started_at if state.started_at else 0.0
@@ -249,9 +253,9 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
         ctx.emit("verify", candidate=cand.id, verdict=cand.verdict, stage=cand.stage, message=cand.message)
         timed = timed_by_baseline(state, cand, mode) if cand.verdict == "pass" else cand
     kept = timed.verdict == "pass" and (opts.device == "cpu" or (timed.speedup_eager or 0.0) > 1.0)
-    parity = wants_parity_answer(state) and timed.verdict == "pass" and at_parity(timed, None)
+    # not faster than eager, at the end of a run with no answer: its answer at parity, never its best
+    parity = not kept and wants_parity_answer(state) and timed.verdict == "pass" and at_parity(timed, None)
     if parity:
-        kept = False  # not faster than eager: the run's answer at parity, never its best
         note["kept_at_parity"] = True
     elif kept and state.best is not None and not (timed.time_ms or 0.0) < (state.best.time_ms or 0.0):
         kept = False  # a step's answer came first and is as fast

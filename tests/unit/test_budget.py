@@ -615,7 +615,8 @@ def test_the_parity_fallback_is_kept_as_the_runner_up_and_answers_as_the_compile
     parity = {"eager_ms": 2.0, "compile_ms": {"default": 2.01}, "compile_s": {"default": 4.0}}
     parity["phase_s"] = {"golden": 5.0, "benchmark": 9.0}
     s = state(task_source=CHAIN, baseline=parity, stop_reason="no strategy left to try")
-    update = fall_back(s, SimpleNamespace(context=CrewContext(executor=Passing())))
+    runtime = SimpleNamespace(context=CrewContext(executor=Passing()))
+    update = fall_back(s, runtime)
     assert "best" not in update, "not faster than eager: never the best"
     assert update["runner_up"].id == "fallback" and update["runner_up"].time_ms == pytest.approx(2.01)
     assert not update["runner_up"].significant
@@ -624,3 +625,7 @@ def test_the_parity_fallback_is_kept_as_the_runner_up_and_answers_as_the_compile
     report.best = SimpleNamespace(id="fallback", strategy="torch_compile", kind="compiler")
     said = answer(done, report)
     assert said["answer"] == "compiler" and "parity" in said["why"]
+    # a compile that beat eager, at the end of a run with no answer: the best, as before
+    faster = fall_back(state(task_source=CHAIN, stop_reason="no strategy left to try"), runtime)
+    assert faster["best"].id == "fallback" and "runner_up" not in faster
+    assert "diagnosis" in faster and "kept_at_parity" not in faster["budget"]["fallback"]
