@@ -273,6 +273,10 @@ class Baseline(StoredRecord):
     eager_ms: float | None = Field(None, description="Eager's median time.")
     eager_spread_pct: float | None = Field(None, description="Eager's spread, percent.")
     compile_ms: dict[str, float] = Field(default_factory=dict, description="torch.compile by mode.")
+    compile_ratios: dict[str, Json] = Field(
+        default_factory=dict,
+        description="torch.compile's paired speedup over eager by mode (a SpeedupRatio as a dict).",
+    )
     compile_s: dict[str, float] = Field(default_factory=dict, description="Compile time by mode.")
     compile_errors: dict[str, str] = Field(default_factory=dict, description="Modes that did not compile.")
     hardware: Json = Field(default_factory=dict, description="The device (hardware.detect).")

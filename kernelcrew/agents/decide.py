@@ -30,6 +30,7 @@ from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.planner import (
     GRACE,
     NOISE,
+    TIMED_IN_BASELINE,
     baseline_seconds,
     compiler_strategies,
     fallback_mode,
@@ -44,7 +45,7 @@ from kernelcrew.agents.planner import (
 from kernelcrew.agents.profiler import NCU_COST, diagnose, with_ncu
 from kernelcrew.agents.prompts.sections import ncu_text
 from kernelcrew.agents.state import Candidate, CrewState
-from kernelcrew.records import Report, VerifyRequest
+from kernelcrew.records import FinalTiming, Report, VerifyRequest
 
 KIND_RANK = search.KIND_RANK
 
@@ -299,19 +300,27 @@ def fall_back(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]
 
 def timed_by_baseline(state: CrewState, cand: Candidate, mode: str) -> Candidate:
     """The verified compiler fallback with the baseline's times of the same compile: the reference's
-    process compiled the module in ``mode`` and timed it against eager, interleaved, and the final
-    timing times the answer again. A timing run of its own would repeat that measurement at the
-    price of another compile and timing run out of the budget."""
+    process compiled the module in ``mode`` and timed it against eager, interleaved (its paired
+    speedup and interval are the answer's). A timing run of its own, or a final one
+    (:func:`already_timed`), would repeat that measurement at the price of another compile and
+    timing run out of the budget."""
     base = state.baseline
     compiled, eager = base.compile_ms[mode], base.eager_ms
-    flag = "timed in the baseline (torch.compile of the reference in its own process, against eager)"
+    flag = f"{TIMED_IN_BASELINE} (torch.compile of the reference in its own process, against eager)"
     if base.clock == "cpu-wall":
         flag += "; CPU timings (wall clock): not GPU speedups"
+    ratio = base.compile_ratios.get(mode)
+    if ratio:  # the baseline's paired rounds: the same interval and test as any candidate's
+        speedup, ci, significant = ratio["median"], [ratio["ci_low"], ratio["ci_high"]], ratio["significant"]
+    else:  # a baseline recorded before its ratios were kept
+        speedup = eager / compiled if eager and compiled else None
+        ci, significant = None, bool(eager and compiled < eager * (1 - NOISE))
     return replace(
         cand,
         time_ms=compiled,
-        speedup_eager=eager / compiled if eager and compiled else None,
-        significant=bool(eager and compiled < eager * (1 - NOISE)),
+        speedup_eager=speedup,
+        speedup_eager_ci=ci,
+        significant=bool(significant),
         speedup_compile=1.0,
         flags=[*cand.flags, flag],
     )
@@ -323,7 +332,8 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
 
     The final timing re-times every torch.compile mode, which is what makes it long: when the
     expected full timing no longer fits, the best is timed against eager only (quick when even that
-    does not fit) and its speedup over torch.compile comes from the baseline's compile times.
+    does not fit) and its speedup over torch.compile comes from the baseline's compile times. An
+    answer whose times already stand (:func:`already_timed`) is not timed again.
     """
     from kernelcrew.agents.report import deliverable, finalize, write_report
 
@@ -340,7 +350,10 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     left = opts.time_budget_s - used
     final: dict[str, Any] = {"compile_modes": list(opts.compile_modes), "quick": opts.quick, **ncu_note}
     timed_state = state
-    if state.best is not None and opts.compile_modes and final_reserve_s(state) > left:
+    measured, why = already_timed(state, left)
+    if measured is not None:
+        final = {"compile_modes": [], "quick": False, "timed": False, "note": why, **ncu_note}
+    elif state.best is not None and opts.compile_modes and final_reserve_s(state) > left:
         quick = opts.quick or 2.0 * reference_timing_s(state) > left
         timed_state = replace(state, options=replace(opts, compile_modes=[], quick=quick))
         final = {
@@ -350,7 +363,7 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
             + (" (quick)" if quick and not opts.quick else "")
             + ", its speedup over torch.compile is against the baseline's compile times",
         }
-    update = finalize(timed_state, _without_out_dir(ctx))
+    update = finalize(timed_state, _without_out_dir(ctx), measured)
     report: Report = update["report"]
     best = report.best
     timed_modes = best.compile_ms if best is not None else {}
@@ -372,6 +385,45 @@ def finish(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         with (ctx.out_dir / "report.md").open("a") as md:
             md.write("\n".join(budget_lines(report)) + "\n")
     return {**update, "report": report, **({"best": state.best} if promoted or ncu_note.get("ncu_s") else {})}
+
+
+def already_timed(state: CrewState, left_s: float) -> tuple[FinalTiming | None, str]:
+    """The best's times as already measured, and why they stand, where a final timing run would only
+    spend time: a compiler answer the baseline timed (its own process compiled that same module and
+    timed it against eager, interleaved: the final run would time the same pair again), or any
+    answer with a timing of its own once the run has used its budget (the final run would take it
+    past it). The answer's speedup over eager is then its paired one, eager's and torch.compile's
+    times the baseline's. None where the best has no timing to stand on: it is timed as usual."""
+    best, base = state.best, state.baseline
+    if best is None or not best.time_ms or not best.speedup_eager:
+        return None, ""
+    if any(flag.startswith(TIMED_IN_BASELINE) for flag in best.flags):
+        why = (
+            "the answer is the baseline's own torch.compile, timed there against eager in one "
+            "process: not timed again"
+        )
+    elif left_s <= 0:
+        why = (
+            f"the run had used its {state.options.time_budget_s:g} s budget: the answer was not timed "
+            "again; its times are its step's timing run (against eager, interleaved) and the "
+            "baseline's eager and torch.compile times"
+        )
+    else:
+        return None, ""
+    compiled = dict(base.compile_ms)
+    return (
+        FinalTiming(
+            clock=base.clock,
+            eager_ms=base.eager_ms,
+            compile_ms=compiled,
+            best_ms=best.time_ms,
+            speedup_eager=best.speedup_eager,
+            speedup_eager_ci=list(best.speedup_eager_ci or []),
+            significant=best.significant,
+            speedup_compile=min(compiled.values()) / best.time_ms if compiled else None,
+        ),
+        why,
+    )
 
 
 def profile_answer(state: CrewState, ctx: CrewContext) -> tuple[Candidate | None, dict[str, Any]]:

@@ -365,8 +365,11 @@ WARM_COMPILES_PER_STEP = 1
 #: A compile's expected seconds when the baseline compiled nothing (``--compile-modes none``, the
 #: CPU's default). An assumption, not a measurement.
 UNMEASURED_COMPILE_S = 10.0
-#: How far past its time budget the never-empty-handed fallback may end a run: the run's tolerance.
+#: How far past its time budget the never-empty-handed fallback, or a heavy task's first step
+#: (:func:`first_step_allowance`), may end a run: the run's tolerance.
 GRACE = 0.2
+TIMED_IN_BASELINE = "timed in the baseline"
+"""The flag of a compiler answer whose times are the baseline's own (``decide.timed_by_baseline``)."""
 
 
 def compiler_strategies() -> dict[str, str]:
@@ -535,19 +538,37 @@ def _seconds_left(state: CrewState) -> float:
     return state.options.time_budget_s - used - final_reserve_s(state) - fallback_seconds(state)
 
 
+def first_step_allowance(state: CrewState) -> float:
+    """Seconds past the budget the run's first planned step may count on, when the compiler's
+    answer is already verified (the baseline left no room for a step before it, so it went first):
+    the run's tolerance (``GRACE``), and the final timing's share, which that answer does not need
+    (the baseline timed it; a step that beats it past the budget keeps its own timing run's times,
+    ``decide.already_timed``). Without it a heavy task ended with the baseline's compile and not
+    one step of its own. 0 once a step was planned, or while the run has no such answer."""
+    best = state.best
+    if best is None or any(not r.get("fallback") for r in state.iterations):
+        return 0.0
+    if not any(flag.startswith(TIMED_IN_BASELINE) for flag in best.flags):
+        return 0.0
+    return GRACE * state.options.time_budget_s + final_reserve_s(state)
+
+
 def _fits_budget(state: CrewState, step: PlanStep) -> bool:
     """Whether the step, the final report (and a fallback the run may need) should end inside the
-    time budget: wall-clock seconds, on a CPU as on a GPU."""
+    time budget (a heavy task's first step: inside its tolerance, :func:`first_step_allowance`):
+    wall-clock seconds, on a CPU as on a GPU."""
     if not state.started_at:
         return True
-    return expected_seconds(state, step) <= _seconds_left(state)
+    return expected_seconds(state, step) <= _seconds_left(state) + first_step_allowance(state)
 
 
 def _budget_reason(state: CrewState, step: PlanStep) -> str:
+    extra = first_step_allowance(state)
     return (
         f"time budget: {max(_seconds_left(state), 0):.0f} s of {state.options.time_budget_s:g} s left "
-        f"after the final report's share, the next step ({step.strategy}) would take about "
-        f"{expected_seconds(state, step):.0f} s"
+        f"after the final report's share"
+        + (f" ({extra:.0f} s more for a first step)" if extra else "")
+        + f", the next step ({step.strategy}) would take about {expected_seconds(state, step):.0f} s"
     )
 
 

@@ -47,7 +47,7 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         # One child times eager and torch.compile, then ranks the reference's kernels (hotspots).
         bench = _time_reference(state, ctx, list(opts.compile_modes), hotspots=True)
         phase_s = _add_phases({}, bench.phase_s or {})
-        results, compile_s = dict(bench.results), dict(bench.compile_s)
+        results, compile_s, ratios = dict(bench.results), dict(bench.compile_s), dict(bench.ratios)
         compile_errors = dict(bench.compile_errors)
         for mode in opts.optional_compile_modes:
             expected = max(expected_compile_s(compile_s, mode) + _timing_run_s(bench), OPTIONAL_MODE_MIN_S)
@@ -64,6 +64,7 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
                 extra = _time_reference(state, ctx, [mode], hotspots=False)
                 phase_s = _add_phases(phase_s, {f"compile:{mode}": sum((extra.phase_s or {}).values())})
                 results.update({k: v for k, v in extra.results.items() if k.startswith("compile:")})
+                ratios.update({k: v for k, v in extra.ratios.items() if k.startswith("compile:")})
                 compile_s.update(extra.compile_s)
                 compile_errors.update(extra.compile_errors)
         ranked = bench.profile
@@ -97,6 +98,11 @@ def profile_baseline(state: CrewState, runtime: Runtime[CrewContext]) -> dict[st
         eager_ms=eager.median_ms if eager else None,
         eager_spread_pct=eager.spread_pct if eager else None,
         compile_ms=compiled,
+        compile_ratios={
+            k.split(":", 1)[1]: v.model_dump(mode="json")
+            for k, v in ratios.items()
+            if k.startswith("compile:")
+        },
         compile_s=compile_s,
         compile_errors=compile_errors,
         hardware=bench.hardware,

@@ -25,13 +25,16 @@ from kernelcrew.tools.packaging import custom_op_name, packable, package
 from kernelcrew.tools.roofline import sol_fraction, sol_fractions
 
 
-def finalize(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
-    """Final timing of the best candidate, the report (JSON and markdown) and ``best.py``."""
+def finalize(
+    state: CrewState, runtime: Runtime[CrewContext], timing: FinalTiming | None = None
+) -> dict[str, Any]:
+    """Final timing of the best candidate, the report (JSON and markdown) and ``best.py``;
+    ``timing``: the best's times as already measured, instead of a final timing run."""
     ctx = runtime.context
     opts = state.options
     best = state.best
-    final: FinalTiming | None = None
-    if best is not None:
+    final: FinalTiming | None = timing
+    if best is not None and final is None:
         bench = ctx.executor.benchmark(
             ctx.request(
                 BenchmarkRequest,

@@ -629,3 +629,90 @@ def test_the_parity_fallback_is_kept_as_the_runner_up_and_answers_as_the_compile
     faster = fall_back(state(task_source=CHAIN, stop_reason="no strategy left to try"), runtime)
     assert faster["best"].id == "fallback" and "runner_up" not in faster
     assert "diagnosis" in faster and "kept_at_parity" not in faster["budget"]["fallback"]
+
+
+def _fallback_answer(s: CrewState) -> Candidate:
+    """The compiler's candidate as ``fall_back`` keeps it: verified, with the baseline's times."""
+    from kernelcrew.agents.decide import timed_by_baseline
+
+    cand = Candidate(
+        id="fallback", strategy="torch_compile", source_kind="compiler", source="", verdict="pass"
+    )
+    return timed_by_baseline(s, cand, "default")
+
+
+def test_the_compilers_answer_takes_the_baselines_paired_interval():
+    s = state()
+    assert _fallback_answer(s).speedup_eager == pytest.approx(2.0), "no ratio kept: eager / compile"
+    s.baseline.compile_ratios = {
+        "default": {"median": 1.9, "ci_low": 1.85, "ci_high": 1.95, "significant": True}
+    }
+    answer_ = _fallback_answer(s)
+    assert answer_.speedup_eager == 1.9 and answer_.speedup_eager_ci == [1.85, 1.95] and answer_.significant
+    s.baseline.compile_ratios["default"].update(median=1.01, ci_low=0.99, significant=False)
+    assert not _fallback_answer(s).significant, "an interval that reaches 1 is not significant"
+
+
+def test_an_answer_already_timed_is_not_timed_again():
+    """The baseline timed the compiler's answer against eager in one process, interleaved: a final
+    timing run would time the same pair again (10-31 s of the H100 sample's runs that ended with
+    it). A step's answer is timed again while the budget lasts; past it, its own timing stands."""
+    from kernelcrew.agents.decide import already_timed
+
+    s = state()
+    s.baseline.compile_ratios = {
+        "default": {"median": 1.9, "ci_low": 1.85, "ci_high": 1.95, "significant": True}
+    }
+    s.best = _fallback_answer(s)
+    final, why = already_timed(s, 40.0)
+    assert "baseline's own torch.compile" in why
+    assert (final.best_ms, final.eager_ms, final.speedup_eager, final.speedup_eager_ci) == (
+        1.0,
+        2.0,
+        1.9,
+        [1.85, 1.95],
+    )
+    assert final.significant and final.speedup_compile == pytest.approx(1.0)
+    s.best = Candidate(
+        id="c1",
+        strategy="fused_pointwise",
+        source_kind="kernel",
+        source="",
+        verdict="pass",
+        time_ms=0.8,
+        speedup_eager=2.4,
+        speedup_eager_ci=[2.3, 2.5],
+        significant=True,
+    )
+    assert already_timed(s, 40.0) == (None, ""), "time left: the final timing times it again"
+    final, why = already_timed(s, -3.0)
+    assert "had used its 100 s budget" in why
+    assert (
+        final.best_ms == 0.8 and final.speedup_eager == 2.4 and final.speedup_compile == pytest.approx(1.25)
+    )
+    s.best.time_ms = None
+    assert already_timed(s, -3.0) == (None, ""), "nothing measured: timed as usual"
+
+
+def test_a_heavy_tasks_first_step_may_use_the_tolerance_once_the_compilers_answer_is_in_hand():
+    """On the H100 nine of thirty level-2 tasks ended with the compiler's answer and not one step
+    of their own: the baseline and the fallback it went first for left 0-9 s of 90, and a step was
+    expected to take 23-42 s. With the compiler's answer verified (and needing no final timing), the
+    first step may count on the tolerance and the final timing's share; the steps after it may not."""
+    from kernelcrew.agents import planner
+
+    s = state(started_at=time.time() - 70.0)  # 70 s of 100 used: 100 - 70 - 15.3 final share left
+    s.iterations = [{"step": 1, "strategy": "torch_compile", "fallback": True, "elapsed_s": 40.0}]
+    s.steps_used = 1
+    assert planner._seconds_left(s) == pytest.approx(14.7, abs=0.5)
+    step = KERNEL  # expected 25 s: the fallback's 25 s after the baseline's 15 s
+    assert planner.expected_seconds(s, step) == pytest.approx(25.0)
+    assert planner.first_step_allowance(s) == 0.0 and not planner._fits_budget(s, step), "no answer yet"
+    s.best = _fallback_answer(s)
+    assert planner.first_step_allowance(s) == pytest.approx(20.0 + 15.3)
+    assert planner._fits_budget(s, step)
+    assert "35 s more for a first step" in planner._budget_reason(s, step)
+    stepped = replace(s, iterations=[*s.iterations, {"step": 2, "strategy": "rows", "elapsed_s": 60.0}])
+    assert planner.first_step_allowance(stepped) == 0.0, "only the first step"
+    kernel_answer = Candidate(id="c1", strategy="rows", source_kind="kernel", source="", verdict="pass")
+    assert planner.first_step_allowance(replace(s, best=kernel_answer)) == 0.0, "an answer that needs timing"
