@@ -37,7 +37,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -512,6 +512,19 @@ def _sandbox_failure(res: sandbox.SandboxResult, default_stage: str) -> Failure:
 
 
 GOLDEN_FILES = ("inputs.pt", "state_dict.pt", "golden.pt", "native.pt")
+#: What only the parent's judge reads: kept in the golden child's box while they fit
+#: :func:`kept_golden_bytes` (every child gets the inputs and weights, so those go to the disk).
+JUDGE_FILES = ("golden.pt", "native.pt")
+#: What the parent's judge reads of a candidate child's folder, kept in its box until judged.
+CANDIDATE_OUTPUTS = ("outputs.pt", "picks.pt")
+
+
+def kept_golden_bytes() -> int:
+    """Most bytes of golden and native outputs a golden keeps in memory (the golden child's box)
+    instead of on disk: an eighth of a child's memory limit. Beyond it they go to the disk as the
+    rest of the golden does, where the page cache may let them go, because candidate children
+    need that memory for their own outputs."""
+    return sandbox.machine_memory_limit() // 8
 
 
 #: cuBLAS needs a fixed workspace to be deterministic; verification children only (never timing).
@@ -547,10 +560,25 @@ class Golden:
     task_path: str
     meta: dict[str, Any]
     notes: list[str]
+    kept: sandbox.BoxFiles | None = None
+    """The golden and native outputs, where they stayed in the golden child's box (memory)."""
 
     @property
     def op_class(self) -> str:
         return op_class(self.meta["reference_ops"])
+
+    def file(self, name: str) -> Path:
+        """Where the golden's file ``name`` is: in the box's memory or under ``path``."""
+        return self.kept.path(name) if self.kept is not None and name in self.kept else self.path / name
+
+    def spill(self) -> None:
+        """Move the outputs kept in memory to ``path`` (a long-lived executor keeps one golden's in
+        memory at a time)."""
+        if self.kept is not None:
+            kept, self.kept = self.kept, None
+            kept.move_to(self.path)
+            for name in kept.names:
+                _make_private(self.path / name)
 
     @property
     def input_bytes(self) -> int:
@@ -558,6 +586,9 @@ class Golden:
         return sum((self.path / name).stat().st_size for name in ("inputs.pt", "state_dict.pt"))
 
     def cleanup(self) -> None:
+        if self.kept is not None:
+            self.kept.close()
+            self.kept = None
         shutil.rmtree(self.path, ignore_errors=True)
 
     def __enter__(self) -> Golden:
@@ -592,25 +623,44 @@ def make_golden(
         "n_seeds": s.verify_seeds,
     }
     env = dict(DETERMINISTIC_ENV)
-    res = sandbox.run("kernelcrew.tools.harness:golden_child", payload, workdir=path, env=env, settings=s)
-    if not res.ok:
+    res = sandbox.run(
+        "kernelcrew.tools.harness:golden_child", payload, workdir=path, env=env, settings=s, keep=JUDGE_FILES
+    )
+    kept = res.kept
+    try:
+        if not res.ok:
+            failure = _sandbox_failure(res, "task")
+            raise TaskError(
+                f"the task could not be evaluated ({failure.stage}): {failure.message}", path=task_path
+            )
+        copying = time.monotonic()
+        if kept is not None and kept.nbytes() > kept_golden_bytes():
+            kept.move_to(path / "child")
+            kept = None
+        copy_out = res.copy_out_s + time.monotonic() - copying
+        # Private to this user: no candidate child (the same sandbox user) can read it. Kept in the
+        # box, it is reachable only through this process's descriptor.
+        for name in GOLDEN_FILES:
+            if kept is None or name not in kept:
+                os.replace(path / "child" / name, path / name)
+                _make_private(path / name)
+    except BaseException:
+        if kept is not None:
+            kept.close()
         shutil.rmtree(path, ignore_errors=True)
-        failure = _sandbox_failure(res, "task")
-        raise TaskError(
-            f"the task could not be evaluated ({failure.stage}): {failure.message}", path=task_path
-        )
-    # Make the golden private to this user: no candidate child (same sandbox user) can read it.
-    for name in GOLDEN_FILES:
-        os.replace(path / "child" / name, path / name)
-        os.chown(path / name, os.geteuid(), os.getegid())
-        os.chmod(path / name, 0o600)
+        raise
     shutil.rmtree(path / "child", ignore_errors=True)
     path.chmod(0o700)
     meta = dict(res.value or {})
     meta["isolation"] = res.isolation
     meta.setdefault("phase_s", {})["child_wall"] = res.wall_s  # the rest of child_wall is its start
-    meta["phase_s"]["copy_out"] = res.copy_out_s
-    return Golden(path, seed, device, precision, task_source, task_path, meta, notes)
+    meta["phase_s"]["copy_out"] = round(copy_out, 2)
+    return Golden(path, seed, device, precision, task_source, task_path, meta, notes, kept)
+
+
+def _make_private(path: Path) -> None:
+    os.chown(path, os.geteuid(), os.getegid())
+    os.chmod(path, 0o600)
 
 
 def share_inputs(golden: Golden, dest: Path, settings: Settings | None = None) -> None:
@@ -709,6 +759,7 @@ def verify(
     env = {**DETERMINISTIC_ENV, **child_env(device, candidate_source)}
     cand_dir = sandbox.make_workdir("kc-cand-")
     preparing = time.monotonic()
+    res = None
     try:
         share_inputs(golden, cand_dir, s)
         cand_payload = {
@@ -732,6 +783,7 @@ def verify(
             env=env,
             settings=s,
             writable=(cache_dirs(candidate_source)["root"],),
+            keep=CANDIDATE_OUTPUTS,
         )
         if not res.ok:
             failure = _sandbox_failure(res, "runtime")
@@ -751,15 +803,31 @@ def verify(
         verdict.kind, verdict.kind_evidence = value["kind"], value["kind_evidence"]
         verdict.flags.extend(value.get("notes", []))
         judging = time.monotonic()
-        _judge(verdict, meta, cand_dir / "child" / "outputs.pt", golden.path, value["nondeterministic"])
+        found = res  # the candidate's outputs: in its box, or copied out (no box)
+        _judge(
+            verdict,
+            meta,
+            lambda name: sandbox.child_file(found, cand_dir / "child", name),
+            golden,
+            value["nondeterministic"],
+        )
         verdict.phase_s["judge"] = round(time.monotonic() - judging, 2)
+        _closed(res.kept)  # judged: their memory goes before anything else runs
         if verdict.passed and s.compute_sanitizer and device.startswith("cuda"):
             _memcheck(verdict, cand_payload, cand_dir, env, s)
     finally:
+        if res is not None:
+            _closed(res.kept)
         shutil.rmtree(cand_dir, ignore_errors=True)
         if own_golden:
             golden.cleanup()
     return verdict
+
+
+def _closed(kept: sandbox.BoxFiles | None) -> None:
+    """Let a child's kept files go (closing twice is harmless)."""
+    if kept is not None:
+        kept.close()
 
 
 def _memcheck(
@@ -924,14 +992,16 @@ def _expected_set(key: str) -> int:
 
 
 def _judge(
-    verdict: Verdict, meta: dict[str, Any], outputs_path: Path, golden_dir: Path, nondet: bool
+    verdict: Verdict, meta: dict[str, Any], child_file: Callable[[str], Path], made: Golden, nondet: bool
 ) -> None:
+    """Judge the candidate child's outputs (``child_file(name)``: where its file is) against the
+    golden ``made``."""
     import torch
 
-    outputs = torch.load(outputs_path, weights_only=True, mmap=True)
-    golden = torch.load(golden_dir / "golden.pt", weights_only=True, mmap=True)
-    native = torch.load(golden_dir / "native.pt", weights_only=True, mmap=True)
-    picks_path = outputs_path.with_name("picks.pt")
+    outputs = torch.load(child_file("outputs.pt"), weights_only=True, mmap=True)
+    golden = torch.load(made.file("golden.pt"), weights_only=True, mmap=True)
+    native = torch.load(made.file("native.pt"), weights_only=True, mmap=True)
+    picks_path = child_file("picks.pt")
     try:
         picks = torch.load(picks_path, weights_only=True) if picks_path.exists() else {}
     except Exception:  # the child wrote it: anything may be in it

@@ -136,6 +136,8 @@ class LocalExecutor:
             while self.max_goldens is not None and len(self._goldens) >= self.max_goldens:
                 _, oldest = self._goldens.popitem(last=False)
                 oldest.cleanup()
+            for kept in self._goldens.values():  # one golden's outputs in memory at a time
+                kept.spill()
             self._goldens[key] = make_golden(
                 request.task_source,
                 device=request.device,

@@ -395,6 +395,41 @@ def test_the_parent_never_follows_what_the_child_left(box_settings):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def test_files_kept_in_the_box_are_read_in_place_and_links_are_never_offered(box_settings, tmp_path):
+    """A large task's golden and a candidate's outputs stay in the box's memory for the parent's
+    judge instead of being copied to the disk; a link or FIFO named like a kept file is not offered
+    (the parent would follow it on the host), and nothing kept is copied out."""
+    workdir = sandbox.make_workdir("kc-box-kept-")
+    try:
+        res = sandbox.run(
+            f"{T}:leave_links",
+            {"targets": ["/etc/hostname"]},
+            workdir=workdir,
+            limits=LIMITS,
+            settings=box_settings,
+            keep=("plain.txt", "link-0", "fifo", "absent.txt"),
+        )
+        assert res.ok, res
+        child = workdir / "child"
+        assert res.kept is not None and res.kept.names == ("plain.txt",)
+        assert not (child / "plain.txt").exists(), "a kept file is not copied out"
+        assert sandbox.child_file(res, child, "plain.txt").read_text() == "ok"
+        assert "link-0" not in res.kept and not sandbox.child_file(res, child, "link-0").exists()
+        assert res.to_dict()["kept"] is None
+        res.kept.close()
+        assert (
+            "plain.txt" not in res.kept and sandbox.child_file(res, child, "plain.txt") == child / "plain.txt"
+        )
+        again = sandbox.run(
+            f"{T}:write_file", {}, workdir=workdir, limits=LIMITS, settings=box_settings, keep=("inside.txt",)
+        )
+        assert again.ok and again.kept is not None
+        again.kept.move_to(tmp_path)
+        assert (tmp_path / "inside.txt").read_text() == "ok" and "inside.txt" not in again.kept
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def test_a_child_whose_files_cannot_be_copied_out_fails_with_the_reason(box_settings, monkeypatch):
     """A host whose temp dir is full loses the child's files: the result is an error that says so
     (it once read as ok, and the golden's parent died on a missing file)."""

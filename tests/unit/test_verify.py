@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -214,14 +217,40 @@ def test_golden_is_private_to_the_parent(goldens):
 
     golden = goldens["softmax"]
     assert golden.path.stat().st_mode & 0o777 == 0o700
-    assert (golden.path / "golden.pt").stat().st_mode & 0o777 == 0o600
-    res = sandbox.run("tests.unit.sandbox_targets:read_path", {"path": str(golden.path / "golden.pt")})
+    where = golden.file("golden.pt")
+    if golden.kept is None:
+        assert where.stat().st_mode & 0o777 == 0o600
+    else:  # in the golden child's box, reachable only through this process's descriptor
+        assert not (golden.path / "golden.pt").exists()
+        where = Path(str(where).replace("/proc/self/", f"/proc/{os.getpid()}/"))
+        assert where.read_bytes()[:2] == golden.file("golden.pt").read_bytes()[:2]
+    res = sandbox.run("tests.unit.sandbox_targets:read_path", {"path": str(where)})
     if res.isolation.get("mode") == "bwrap":  # outside the child's view: it does not exist there
         assert res.status == "error" and res.error_type == "FileNotFoundError"
         return
     if res.isolation["user"] == "root":
         pytest.skip("no privilege drop here: the static rules are the only barrier (docs/security.md)")
     assert res.status == "error" and res.error_type == "PermissionError"
+
+
+def test_a_golden_kept_in_memory_spills_to_its_private_folder_and_judges_the_same():
+    """Under bubblewrap the golden and native outputs stay in the golden child's box (memory); a
+    long-lived executor moves all but its newest golden's to their folders, private as the rest."""
+    task = (FIXTURES / "tasks" / "linear_relu.py").read_text()
+    cand = (FIXTURES / "candidates" / "linear_relu_torch.py").read_text()
+    golden = make_golden(task, seed=7, task_path="linear_relu.py")
+    try:
+        if golden.kept is None:
+            pytest.skip("no box here: the outputs were copied out")
+        assert golden.kept.names == ("golden.pt", "native.pt") and golden.meta["phase_s"]["copy_out"] < 5
+        before = verify(task, cand, golden=golden, candidate_path="c.py")
+        golden.spill()
+        assert golden.kept is None and golden.file("golden.pt") == golden.path / "golden.pt"
+        assert all((golden.path / n).stat().st_mode & 0o777 == 0o600 for n in ("golden.pt", "native.pt"))
+        after = verify(task, cand, golden=golden, candidate_path="c.py")
+        assert before.passed and after.passed and before.max_rel_error == after.max_rel_error
+    finally:
+        golden.cleanup()
 
 
 def test_naive_softmax_fails_on_a_scaled_set_named_in_the_message(goldens):
@@ -665,7 +694,7 @@ def test_input_sets_that_do_not_fit_the_device_move_one_call_at_a_time(
         picks = torch.load(tmp_path / "child" / "picks.pt", weights_only=True)
         assert picks["set:0"] == [None] and picks["repeat:0"][0]["shape"] == [300, 1000]
         verdict = Verdict(verdict="fail", stage="", message="", seed=5, device="cpu", precision="strict")
-        correctness._judge(verdict, golden.meta, tmp_path / "child" / "outputs.pt", golden.path, False)
+        correctness._judge(verdict, golden.meta, lambda n: tmp_path / "child" / n, golden, False)
         assert (not verdict.failures) is passes, verdict.failures
         if not passes:
             assert (
@@ -685,7 +714,7 @@ def test_input_sets_that_do_not_fit_the_device_move_one_call_at_a_time(
         ):
             torch.save(tampered, tmp_path / "child" / "picks.pt")
             verdict = Verdict(verdict="fail", stage="", message="", seed=5, device="cpu", precision="strict")
-            correctness._judge(verdict, golden.meta, tmp_path / "child" / "outputs.pt", golden.path, False)
+            correctness._judge(verdict, golden.meta, lambda n: tmp_path / "child" / n, golden, False)
             if message is None:  # an input set's output is judged in full whatever the file says
                 assert not verdict.failures and verdict.verdict == "pass", verdict.failures
             else:
