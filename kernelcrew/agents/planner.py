@@ -338,13 +338,17 @@ def baseline_seconds(state: CrewState) -> float:
 
 def step_seconds(state: CrewState) -> list[float]:
     """How long each finished step of the run took: from one decide to the next, the first from
-    the end of the baseline (earlier work, such as the analysis, counts into it)."""
+    the end of the baseline (earlier work, such as the analysis, counts into it). The compiler's
+    fallback is a verification only (the baseline timed it), where a step also times its
+    candidate: its length counts one timing run more. On the H100 a step planned from a 34 s
+    fallback took 42 s and ended its run past the budget's tolerance."""
     start = baseline_seconds(state)
     out = []
     for record in state.iterations:
         mark = record.get("elapsed_s")
         if mark is not None:
-            out.append(max(0.0, mark - start))
+            timed = reference_timing_s(state) if record.get("fallback") else 0.0
+            out.append(max(0.0, mark - start) + timed)
             start = mark
     return out
 
