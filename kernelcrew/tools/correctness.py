@@ -635,8 +635,16 @@ def make_golden(
             )
         copying = time.monotonic()
         if kept is not None and kept.nbytes() > kept_golden_bytes():
-            kept.move_to(path / "child")
-            kept = None
+            moving, kept = kept, None
+            try:
+                moving.move_to(path / "child")
+            except OSError as exc:
+                raise TaskError(
+                    f"the task could not be evaluated (output): its golden outputs could not be "
+                    f"copied into {path}: {exc.strerror or exc}; point TMPDIR at a file system with "
+                    "room for them",
+                    path=task_path,
+                ) from exc
         copy_out = res.copy_out_s + time.monotonic() - copying
         # Private to this user: no candidate child (the same sandbox user) can read it. Kept in the
         # box, it is reachable only through this process's descriptor.

@@ -136,8 +136,13 @@ class LocalExecutor:
             while self.max_goldens is not None and len(self._goldens) >= self.max_goldens:
                 _, oldest = self._goldens.popitem(last=False)
                 oldest.cleanup()
-            for kept in self._goldens.values():  # one golden's outputs in memory at a time
-                kept.spill()
+            for other, kept in list(self._goldens.items()):  # one golden's outputs in memory at a time
+                try:
+                    kept.spill()
+                except OSError:  # its outputs are lost with the copy: a later call makes it again
+                    log.warning("a golden's outputs could not be moved to the disk", exc_info=True)
+                    del self._goldens[other]
+                    kept.cleanup()
             self._goldens[key] = make_golden(
                 request.task_source,
                 device=request.device,

@@ -887,16 +887,18 @@ def _copy_out(
 class BoxFiles:
     """Files a child wrote that stay in its box's memory folder instead of being copied out: a
     large task's golden outputs and a candidate's outputs are gigabytes, and copying children's
-    folders to the host's disk took 9 % of the H100 KernelBench sample's wall time. Readable through this process's descriptor of
-    that folder (:meth:`path`) until :meth:`close`; the folder's memory goes with the last
-    descriptor. Only names that were regular files at its top level are offered, checked once the
-    box had ended: no process can reach the folder any more, so nothing changes them after."""
+    folders to the host's disk took 9 % of the H100 KernelBench sample's wall time. Readable
+    through this process's descriptor of that folder (:meth:`path`) until :meth:`close`; the
+    folder's memory goes with the last descriptor. Only names that were regular files at its top
+    level are offered, checked once the box had ended: no process can reach the folder any more,
+    so nothing changes them after."""
 
     def __init__(self, box_fd: int, names: tuple[str, ...]) -> None:
-        self._fd = box_fd
-        self.names = tuple(
+        regular = tuple(
             n for n in names if stat.S_ISREG(os.stat(n, dir_fd=box_fd, follow_symlinks=False).st_mode)
         )
+        self._fd = box_fd  # owned from here on (a failed check above leaves it to the caller)
+        self.names = regular
 
     def __contains__(self, name: object) -> bool:
         return self._fd >= 0 and name in self.names
@@ -1455,14 +1457,15 @@ class _Child:
                 self.disk_full = self.disk_full or _child_dir_full(self.box_dir)
                 _copy_out(self.box_dir, self.child_dir, [MAX_CHILD_ENTRIES], skip=frozenset(self.keep))
                 if self.keep:
-                    kept = BoxFiles(
-                        self.box_dir, tuple(n for n in self.keep if n in os.listdir(self.box_dir))
-                    )
+                    present = set(os.listdir(self.box_dir))
+                    kept = BoxFiles(self.box_dir, tuple(n for n in self.keep if n in present))
             except OSError as exc:  # the host's side ran out of room (or files): the result is lost
                 copy_error = _copy_out_error(exc, self.box_dir, self.child_dir)
             finally:
-                if kept is None or not kept.names:
+                if kept is None:
                     os.close(self.box_dir)  # the last reference: the tmpfs goes
+                elif not kept.names:
+                    kept.close()  # (the descriptor is the kept files' now: closed once, by them)
                     kept = None
                 self.box_dir = None
         _sanitize(self.child_dir)

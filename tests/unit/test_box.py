@@ -430,6 +430,25 @@ def test_files_kept_in_the_box_are_read_in_place_and_links_are_never_offered(box
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def test_golden_outputs_too_large_to_keep_go_to_the_disk_or_fail_with_the_reason(box_settings, monkeypatch):
+    task = (FIXTURES / "tasks" / "linear_relu.py").read_text()
+    monkeypatch.setattr(correctness, "kept_golden_bytes", lambda: 0)  # nothing fits in memory
+    golden = correctness.make_golden(task, task_path="linear_relu.py", settings=box_settings)
+    try:
+        assert golden.kept is None and golden.file("golden.pt") == golden.path / "golden.pt"
+        assert (golden.path / "native.pt").stat().st_mode & 0o777 == 0o600
+    finally:
+        golden.cleanup()
+
+    def disk_full(self: sandbox.BoxFiles, dest: Path) -> None:
+        self.close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sandbox.BoxFiles, "move_to", disk_full)
+    with pytest.raises(TaskError, match=r"golden outputs could not be copied into .*No space left"):
+        correctness.make_golden(task, task_path="linear_relu.py", settings=box_settings)
+
+
 def test_a_child_whose_files_cannot_be_copied_out_fails_with_the_reason(box_settings, monkeypatch):
     """A host whose temp dir is full loses the child's files: the result is an error that says so
     (it once read as ok, and the golden's parent died on a missing file)."""
