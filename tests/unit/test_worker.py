@@ -373,7 +373,7 @@ def test_ncu_probe_on_a_cpu_and_without_ncu(monkeypatch):
 
 
 def test_local_executor_keeps_at_most_max_goldens(monkeypatch):
-    made, cleaned = [], []
+    made, cleaned, spilled = [], [], []
 
     class FakeGolden:
         def __init__(self, seed: int) -> None:
@@ -381,6 +381,9 @@ def test_local_executor_keeps_at_most_max_goldens(monkeypatch):
 
         def cleanup(self) -> None:
             cleaned.append(self.seed)
+
+        def spill(self) -> None:
+            spilled.append(self.seed)
 
     def make_golden(task_source, *, device, precision, seed, task_path, settings):
         made.append(seed)
@@ -393,6 +396,7 @@ def test_local_executor_keeps_at_most_max_goldens(monkeypatch):
     # 1 stays (used again before 3 came); 2 is evicted by 3, then 3 by 2.
     assert made == [1, 2, 3, 2]
     assert cleaned == [2, 3]
+    assert spilled == [1, 1, 1], "each new golden moves the others' outputs out of memory"
     ex.close()
     assert sorted(cleaned) == [1, 2, 2, 3]
     with pytest.raises(ValueError):
