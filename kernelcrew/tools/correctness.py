@@ -1006,18 +1006,27 @@ def _judge(
     golden ``made``."""
     import torch
 
-    outputs = torch.load(child_file("outputs.pt"), weights_only=True, mmap=True)
+    def unreadable(what: str) -> None:
+        failure = Failure("output_type", f"{what} could not be read")
+        verdict.failures = [failure.to_dict()]
+        verdict.stage, verdict.message = failure.stage, failure.message
+
+    try:  # the child wrote it: anything may be in it (or nothing readable)
+        outputs = torch.load(child_file("outputs.pt"), weights_only=True, mmap=True)
+    except Exception:
+        outputs = None
+    if not isinstance(outputs, dict) or not all(isinstance(v, list | tuple) for v in outputs.values()):
+        unreadable("the candidate's outputs")
+        return
     golden = torch.load(made.file("golden.pt"), weights_only=True, mmap=True)
     native = torch.load(made.file("native.pt"), weights_only=True, mmap=True)
     picks_path = child_file("picks.pt")
     try:
         picks = torch.load(picks_path, weights_only=True) if picks_path.exists() else {}
-    except Exception:  # the child wrote it: anything may be in it
+    except Exception:
         picks = None
     if not isinstance(picks, dict):
-        failure = Failure("output_type", "the re-check calls' sample positions could not be read")
-        verdict.failures = [failure.to_dict()]
-        verdict.stage, verdict.message = failure.stage, failure.message
+        unreadable("the re-check calls' sample positions")
         return
     cls = op_class(meta["reference_ops"])
     sets = {r["index"]: r for r in meta["sets"]}

@@ -527,6 +527,33 @@ def test_a_large_recheck_output_is_judged_on_random_positions_and_its_error_loca
     assert 0 <= row < 300 and 0 <= col < 1000
 
 
+@pytest.mark.parametrize(
+    "written", [b"not a torch file", "chmod", ["a", "list"], {"set:0": "a string"}], ids=repr
+)
+def test_outputs_the_child_left_unreadable_fail_the_candidate_not_the_run(tmp_path, written):
+    """The candidate's process writes ``outputs.pt`` and may spoil it (garbage, no permission, the
+    wrong structure): the verdict fails with the reason, the verification does not crash."""
+    from types import SimpleNamespace
+
+    from kernelcrew.records import Verdict
+    from kernelcrew.tools import correctness
+
+    path = tmp_path / "outputs.pt"
+    if isinstance(written, bytes):
+        path.write_bytes(written)
+    elif written == "chmod":
+        torch.save({"set:0": [torch.zeros(2)]}, path)
+        path.chmod(0)
+        if os.access(path, os.R_OK):  # root reads it anyway
+            pytest.skip("this user reads any file")
+    else:
+        torch.save(written, path)
+    verdict = Verdict(verdict="fail", stage="", message="", seed=1, device="cpu", precision="strict")
+    golden = SimpleNamespace(file=lambda name: pytest.fail("the golden is never read"))
+    correctness._judge(verdict, {"reference_ops": {}, "sets": []}, lambda n: tmp_path / n, golden, False)
+    assert verdict.stage == "output_type" and "outputs could not be read" in verdict.message
+
+
 def test_saved_tensors_skip_the_checksums_and_load_back(tmp_path):
     """Children save their outputs without the archive's CRC-32 (five times slower to write on a
     large task); the files still load, plainly and with mmap, as the parent reads them."""
