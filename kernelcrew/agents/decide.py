@@ -40,6 +40,7 @@ from kernelcrew.agents.planner import (
     reference_timing_s,
     refused_by_user,
     step_key,
+    timed_in_baseline,
     wants_parity_answer,
 )
 from kernelcrew.agents.profiler import NCU_COST, diagnose, with_ncu
@@ -397,7 +398,7 @@ def already_timed(state: CrewState, left_s: float) -> tuple[FinalTiming | None, 
     best, base = state.best, state.baseline
     if best is None or not best.time_ms or not best.speedup_eager:
         return None, ""
-    if any(flag.startswith(TIMED_IN_BASELINE) for flag in best.flags):
+    if timed_in_baseline(best):
         why = (
             "the answer is the baseline's own torch.compile, timed there against eager in one "
             "process: not timed again"

@@ -30,7 +30,7 @@ from kernelcrew.agents.guidance import parse_commands
 from kernelcrew.agents.guidance import parse_guidance as parse_guidance  # re-exported
 from kernelcrew.agents.knowledge import hits_text, task_hits
 from kernelcrew.agents.profiler import expected_compile_s
-from kernelcrew.agents.state import RATIONALE_CHARS, CrewState, PlanStep
+from kernelcrew.agents.state import RATIONALE_CHARS, Candidate, CrewState, PlanStep
 
 
 def _shorten(text: str, limit: int) -> str:
@@ -376,6 +376,11 @@ TIMED_IN_BASELINE = "timed in the baseline"
 """The flag of a compiler answer whose times are the baseline's own (``decide.timed_by_baseline``)."""
 
 
+def timed_in_baseline(cand: Candidate) -> bool:
+    """Whether ``cand``'s times are the baseline's own (the compiler's fallback, :data:`TIMED_IN_BASELINE`)."""
+    return any(flag.startswith(TIMED_IN_BASELINE) for flag in cand.flags)
+
+
 def compiler_strategies() -> dict[str, str]:
     """The playbook's compiler strategies by the torch.compile mode they generate."""
     from kernelcrew.agents import playbook
@@ -552,7 +557,7 @@ def first_step_allowance(state: CrewState) -> float:
     best = state.best
     if best is None or any(not r.get("fallback") for r in state.iterations):
         return 0.0
-    if not any(flag.startswith(TIMED_IN_BASELINE) for flag in best.flags):
+    if not timed_in_baseline(best):
         return 0.0
     return GRACE * state.options.time_budget_s + final_reserve_s(state)
 
