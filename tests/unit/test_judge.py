@@ -196,12 +196,12 @@ EXPANDING = textwrap.dedent(
 
 
 def test_a_task_whose_outputs_are_large_gets_fewer_sets_and_says_so(monkeypatch, tmp_path):
-    """The golden child keeps every set's float64 golden and native output: a task whose output is
+    """The golden child keeps every set's golden and native output: a task whose output is
     far larger than its inputs (here 128 x its input) is bounded by what it keeps, not by its inputs
     (a 1 GB input with a 6 GB golden per set filled a 100 GB machine)."""
     from kernelcrew.tools import harness
 
-    per_set = 128 * 4 + 128 * 128 * (8 + 4)  # input, float64 golden, float32 native
+    per_set = 128 * 4 + 128 * 128 * (4 + 4)  # input, golden (stored in float32), float32 native
     (tmp_path / "child").mkdir()
     payload = {"device": "cpu", "seed": 3, "precision": "strict", "task_source": EXPANDING}
     payload.update(task_path="task.py", n_seeds=5)

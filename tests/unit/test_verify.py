@@ -768,3 +768,44 @@ def test_a_golden_that_does_not_fit_in_float64_is_computed_in_float32_and_says_s
     torch.testing.assert_close(outs[0], torch.log_softmax(x, dim=-1))
     outs, mode = _run_golden(torch.nn.Softmax(dim=-1), Model(), [x], "cpu", to_host=False)
     assert mode == "float64" and outs[0].dtype == torch.float64
+
+
+def test_the_golden_is_stored_rounded_to_float32_where_that_keeps_every_value_finite():
+    """A float64 golden is kept rounded to float32 where PyTorch's own output is float32 or narrower
+    (half the bytes to copy, write and judge), and kept in float64 where the output is float64 or a
+    value is beyond float32's range, where the judge must tell such elements apart."""
+    from kernelcrew.tools.harness import stored_golden
+
+    g = torch.randn(64, dtype=torch.float64)
+    beyond = torch.tensor([1.0, 1e39, float("nan"), float("inf")], dtype=torch.float64)
+    ints = torch.arange(4)
+    native = [g.float(), g.clone(), beyond.float(), ints, g.half()]
+    stored = stored_golden([g, g, beyond, ints, g], native)
+    assert [t.dtype for t in stored] == [
+        torch.float32,
+        torch.float64,
+        torch.float64,
+        torch.int64,
+        torch.float32,
+    ]
+    assert torch.equal(stored[0], g.float()) and stored[1] is g
+    edge = torch.tensor([float("nan"), float("-inf"), 3e38], dtype=torch.float64)
+    assert stored_golden([edge], [edge.float()])[0].dtype == torch.float32  # NaN and Inf survive rounding
+    assert stored_golden([g], None)[0] is g
+
+
+def test_a_made_golden_keeps_float32_outputs_rounded_and_judges_as_before(goldens):
+    """The golden file holds the rounded golden; a correct candidate still passes against it with a
+    worst error far inside the tolerance, and one off by 1e-3 still fails."""
+    golden = goldens["softmax"]
+    gold = torch.load(golden.file("golden.pt"), weights_only=True, mmap=True)
+    native = torch.load(golden.file("native.pt"), weights_only=True, mmap=True)
+    assert all(
+        g.dtype == n.dtype == torch.float32
+        for gs, ns in zip(gold, native, strict=True)
+        for g, n in zip(gs, ns, strict=True)
+    )
+    tol = tolerance_for("float32", "pointwise", "strict")
+    n = native[0][0]
+    assert compare_output(n, gold[0][0], n, tol)["ok"]
+    assert not compare_output(n * (1 + 1e-3), gold[0][0], n, tol)["ok"]
