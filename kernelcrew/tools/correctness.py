@@ -164,9 +164,8 @@ def compare_output(
             "message": f"dtype {str(cand.dtype).replace('torch.', '')} but the reference gives "
             f"{str(native.dtype).replace('torch.', '')}",
         }
-    cand, native = cand.to(golden.device), native.to(golden.device)  # judged where the golden is
     if tol.exact or not (cand.is_floating_point() or cand.is_complex()):
-        equal = cand == golden.to(cand.dtype)
+        equal = cand.to(golden.device) == golden.to(cand.dtype)
         bad = (~equal).nonzero()
         if len(bad):
             idx = bad[0].tolist()
@@ -971,10 +970,9 @@ JUDGE_THREADS = 8
 
 @contextlib.contextmanager
 def _judging_pools(calls: int) -> Iterator[tuple[Any, Any]]:
-    """Two thread pools, torch held to one thread per op: one judges ``calls`` calls side by side
-    (one at a time where ``calls`` is 1: the outputs judged on a GPU, which holds one output's
-    tensors at a time), the other the ranges of their large outputs (a call's thread waits on its
-    ranges, so one pool for both could have every thread waiting).
+    """Two thread pools, torch held to one thread per op: one judges ``calls`` calls side by side,
+    the other the ranges of their large outputs (a call's thread waits on its ranges, so one pool
+    for both could have every thread waiting).
 
     A large task's output took one thread seconds. Independent threads scale with free cores and
     degrade gracefully on busy ones, where torch's own parallel ops waited on descheduled threads;
@@ -999,35 +997,6 @@ def _judging_pools(calls: int) -> Iterator[tuple[Any, Any]]:
 
 def _expected_set(key: str) -> int:
     return int(key.rsplit(":", 1)[1])
-
-
-def _parent_gpu(device: str) -> bool:
-    """Whether this process judges on ``device``: a GPU it can reach (the same one its children use)."""
-    if not device.startswith("cuda"):
-        return False
-    import torch
-
-    try:
-        return torch.cuda.is_available()
-    except Exception:  # a driver this process cannot use: the CPU judges
-        return False
-
-
-def _judging_place(device: str, *tensors: Any) -> Any:
-    """``tensors``' golden on the device that judges them: the verification's GPU while it has room
-    for them (:func:`harness.judging_device`), else where they are (the CPU).
-
-    Judged on the CPU, a large task's output (1.6 billion elements a set) took 17-23 s of a
-    verification on 16 cores; on the GPU the judging is a pass over device memory and the time is
-    the copies."""
-    from kernelcrew.tools.harness import judging_device
-
-    golden = tensors[1]
-    try:
-        where = judging_device(list(tensors), device)
-        return golden.to(where) if where != "cpu" else golden
-    except Exception:  # out of device memory, or a device error: the CPU judges as before
-        return golden
 
 
 def _judge(
@@ -1061,7 +1030,6 @@ def _judge(
         return
     cls = op_class(meta["reference_ops"])
     sets = {r["index"]: r for r in meta["sets"]}
-    on_gpu = _parent_gpu(made.device)
 
     def judge_call(key: str, outs: list[Any]) -> tuple[tuple[str, ...], list[dict[str, Any]] | None]:
         """A call's fingerprint and each output's comparison (None: not as many outputs)."""
@@ -1082,10 +1050,7 @@ def _judge(
                 if failure is not None:
                     results.append(failure)
                     continue
-            if on_gpu and isinstance(c, torch.Tensor):
-                g = _judging_place(made.device, c, g, n)
             res = compare_output(c, g, n, tolerance_for(dtype, cls, verdict.precision), ranges)
-            del g
             if positions is not None and res.get("first_bad_index") is not None:
                 at = int(positions[res["first_bad_index"][0]])
                 res["first_bad_index"] = _unravel(at, tuple(g_list[o].shape))
@@ -1093,12 +1058,8 @@ def _judge(
             results.append(res)
         return fingerprint, results
 
-    try:
-        with _judging_pools(1 if on_gpu else len(outputs)) as (pool, ranges):
-            found = list(pool.map(judge_call, outputs.keys(), outputs.values()))
-    finally:
-        if on_gpu:  # the device's memory goes back to the children that run next
-            torch.cuda.empty_cache()
+    with _judging_pools(len(outputs)) as (pool, ranges):
+        found = list(pool.map(judge_call, outputs.keys(), outputs.values()))
 
     worst = 0.0
     failures: list[Failure] = []
