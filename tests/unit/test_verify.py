@@ -650,6 +650,21 @@ def test_ranges_judged_side_by_side_give_the_whole_output_s_verdict(monkeypatch,
     assert whole["ok"] == (case in ("right", "ulp_noise"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_judging_never_changes_the_golden_or_pytorch_s_output(dtype):
+    """The judge works on its slices in place; a float64 slice of a float64 golden (or native
+    output) would be the tensor itself, and every later candidate would be judged against it."""
+    gen = torch.Generator().manual_seed(8)
+    golden = torch.randn(3000, generator=gen, dtype=torch.float64).to(dtype)
+    native = golden.clone()
+    cand = (golden * 1.0001).float() if dtype == torch.float32 else golden * 1.0001
+    before = (golden.clone(), native.clone())
+    tol = tolerance_for(str(dtype).replace("torch.", ""), "pointwise", "strict")
+    first = compare_output(cand, golden, native, tol)
+    assert torch.equal(golden, before[0]) and torch.equal(native, before[1])
+    assert compare_output(cand, golden, native, tol) == first
+
+
 def test_an_element_as_wrong_as_pytorch_itself_there_passes_and_twice_more_fails():
     """ConvTranspose2d, min, GELU on an H100: 94 of 277M outputs near zero carried the
     convolution's fp32 rounding (1.7e-7) above an atol scaled to the outputs' RMS (3.4e-8), and
