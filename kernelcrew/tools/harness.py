@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -151,7 +152,19 @@ def path_label(path: tuple[Any, ...]) -> str:
 
 
 def to_device(obj: Any, device: str) -> Any:
-    return map_tensors(obj, lambda t: t.to(device))
+    """``obj`` with every tensor on ``device``: a large host tensor goes to a GPU through the pinned
+    staging buffer (:func:`device_copy`), a GPU tensor to the host through :func:`host_copy`."""
+
+    def move(t: Any) -> Any:
+        if t.requires_grad or t.device.type == str(device).split(":")[0]:
+            return t.to(device)
+        if t.device.type == "cuda" and device == "cpu":
+            return host_copy(t)
+        if t.device.type == "cpu" and str(device).startswith("cuda"):
+            return device_copy(t, device)
+        return t.to(device)
+
+    return map_tensors(obj, move)
 
 
 def to_float64(obj: Any) -> Any:
@@ -162,12 +175,33 @@ def clone_tensors(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().clone())
 
 
-#: A GPU tensor of more bytes than this comes to the host through a pinned staging buffer of this
-#: size: a copy into pageable memory ran at about 1.4 GB/s on an H100 host, a large task's outputs
-#: are GBs, and pinning each whole output cost as much as it saved (and memory: the pinned
-#: allocator rounds up to powers of two and keeps what it freed).
+#: A tensor of more bytes than this crosses between the host and a GPU through a pinned staging
+#: buffer of this size: a copy from or into pageable memory ran at about 1.4 GB/s on an H100 host,
+#: a large task's inputs and outputs are GBs, and pinning each whole tensor cost as much as it saved
+#: (and memory: the pinned allocator rounds up to powers of two and keeps what it freed).
 STAGING_BYTES = 64 * 1024**2
 _staging: list[Any] = []
+_staging_lock = threading.Lock()
+
+
+def _staged(source: Any, target: Any) -> bool:
+    """Copy the flat bytes ``source`` into ``target`` (one on the host, one on a GPU) through the
+    staging buffer; False where no pinned memory is to be had (nothing copied)."""
+    import torch
+
+    with _staging_lock:
+        if not _staging:
+            try:
+                _staging.append(torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True))
+            except RuntimeError:
+                return False
+        stage = _staging[0]
+        size = source.numel()
+        for start in range(0, size, STAGING_BYTES):
+            n = min(STAGING_BYTES, size - start)
+            stage[:n].copy_(source[start : start + n])  # each copy waits: the stage is reused next
+            target[start : start + n].copy_(stage[:n])
+    return True
 
 
 def host_copy(t: Any) -> Any:
@@ -177,22 +211,25 @@ def host_copy(t: Any) -> Any:
     t = t.detach()
     if t.device.type != "cuda":
         return t.to("cpu").clone()
-    size = t.numel() * t.element_size()
-    if size <= STAGING_BYTES:
+    if t.numel() * t.element_size() <= STAGING_BYTES:
         return t.to("cpu")
-    if not _staging:
-        try:
-            _staging.append(torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True))
-        except RuntimeError:  # no pinned memory to be had: the plain copy
-            return t.to("cpu")
-    stage = _staging[0]
-    source = t.contiguous().reshape(-1).view(torch.uint8)
     out = torch.empty(t.shape, dtype=t.dtype)
-    target = out.reshape(-1).view(torch.uint8)
-    for start in range(0, size, STAGING_BYTES):
-        n = min(STAGING_BYTES, size - start)
-        stage[:n].copy_(source[start : start + n])  # waits for the device: the stage is reused next
-        target[start : start + n].copy_(stage[:n])
+    if not _staged(t.contiguous().reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)):
+        return t.to("cpu")
+    return out
+
+
+def device_copy(t: Any, device: str) -> Any:
+    """A copy of host tensor ``t`` on GPU ``device``. From pageable memory (an mmap'd inputs file)
+    the driver copied a large task's GBs of inputs at a fraction of the bus's rate, in every child
+    that loads them."""
+    import torch
+
+    if t.numel() * t.element_size() <= STAGING_BYTES or not t.is_contiguous():
+        return t.to(device)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    if not _staged(t.detach().reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)):
+        return t.to(device)
     return out
 
 
