@@ -212,6 +212,9 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         update["options"] = replace(opts, max_iters=opts.max_iters + prefs["more"], precision=precision)
     if prefs["stop"]:
         return {**update, "plan": None, "stop_reason": "stopped by the user"}
+    at_sol = reference_at_sol(state)
+    if at_sol and state.best is None and not prefs["more"]:
+        return {**update, "plan": None, "stop_reason": at_sol}
     if state.kb_hits is None:  # asked once per run; checkpointed with the state
         state = replace(state, kb_hits=task_hits(state, ctx))
         update["kb_hits"] = state.kb_hits
@@ -248,6 +251,36 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}
     ctx.emit("plan", strategy=step.strategy, params=step.params, rationale=step.rationale, source=step.source)
     return {**update, "plan": step}
+
+
+#: The reference (eager, or a torch.compile mode the baseline timed) at this fraction of its speed
+#: of light leaves at most 1/0.95 - 1 = 5 % to gain: the floor is a perfectly fused kernel's
+#: (every input, weight and output moved once, every flop at the peak). Above
+#: ``REFERENCE_SOL_TRUSTED`` the floor itself is wrong (faster than the hardware allows) and says
+#: nothing.
+REFERENCE_AT_SOL = 0.95
+REFERENCE_SOL_TRUSTED = 1.1
+
+
+def reference_at_sol(state: CrewState) -> str:
+    """Why no step is planned on a GPU: the reference already runs at :data:`REFERENCE_AT_SOL` of
+    speed of light or more, so no candidate could beat it by more than the noise a step must beat,
+    and a step of a large task costs most of the budget (on the H100, Softplus at 100 % took a 64 s
+    step for a kernel at 1.00x, and its run ended at 166 s); "" otherwise. The run still verifies the
+    compiler's answer the baseline measured faster, or at parity (the fallback)."""
+    base = state.baseline
+    if base is None or state.options.device == "cpu" or base.clock != "cuda-event":
+        return ""
+    fractions = {k: v for k, v in (base.sol_fraction or {}).items() if v is not None}
+    if not fractions:
+        return ""
+    name, best = max(fractions.items(), key=lambda kv: kv[1])
+    if not REFERENCE_AT_SOL <= best <= REFERENCE_SOL_TRUSTED:
+        return ""
+    who = "eager" if name == "eager" else f"torch.compile ({name.split(':', 1)[-1]})"
+    return (
+        f"the reference ({who}) already runs at {best:.0%} of speed of light: no step could gain beyond noise"
+    )
 
 
 #: A best under this speedup over torch.compile sends the playbook to the strategies it has not

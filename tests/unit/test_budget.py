@@ -717,3 +717,44 @@ def test_a_heavy_tasks_first_step_may_use_the_tolerance_once_the_compilers_answe
     assert planner.first_step_allowance(stepped) == 0.0, "only the first step"
     kernel_answer = Candidate(id="c1", strategy="rows", source_kind="kernel", source="", verdict="pass")
     assert planner.first_step_allowance(replace(s, best=kernel_answer)) == 0.0, "an answer that needs timing"
+
+
+def test_a_reference_at_speed_of_light_gets_no_step_and_ends_with_the_compile_at_parity(monkeypatch):
+    """On the H100 the pointwise tasks of level 1 run eagerly at 100 % of speed of light; a step of
+    their size took a minute for a kernel at 1.00x and ended the run far past its budget. A GPU
+    run whose reference is at 95 % of speed of light or more plans nothing and ends with the
+    compile the baseline timed at parity (or faster); a floor the reference beats by more than 10 %
+    is wrong and stops nothing, as on a CPU, with an answer, or when the user asked for more."""
+    from kernelcrew.agents import planner
+    from kernelcrew.agents.context import CrewContext
+
+    kernel = PlanStep(strategy="fused_pointwise", rationale="r", expected_gain=2.0, source="playbook")
+    monkeypatch.setattr(planner, "_plan_with_playbook", lambda state, prefs: kernel)
+    runtime = SimpleNamespace(context=CrewContext(executor=None))
+    at_sol = {"eager_ms": 4.27, "compile_ms": {"default": 4.26}, "compile_s": {"default": 4.0}}
+    at_sol.update(clock="cuda-event", phase_s={"golden": 40.0, "benchmark": 12.0})
+    at_sol["sol_fraction"] = {"eager": 0.995, "compile:default": 0.998}
+    s = state(baseline=at_sol, kb_hits=[])
+    update = planner.plan(s, runtime)
+    assert update["plan"] is None
+    assert "torch.compile (default)) already runs at 100% of speed of light" in update["stop_reason"]
+    ended = replace(s, stop_reason=update["stop_reason"])
+    assert route_after_decide(ended) == "fall_back" and "parity" in fallback_step(ended).rationale
+
+    assert (
+        planner.plan(replace(s, baseline={**at_sol, "sol_fraction": {"eager": 0.9}}), runtime)["plan"]
+        == kernel
+    )
+    wrong_floor = {**at_sol, "sol_fraction": {"eager": 1.4}}
+    assert planner.plan(replace(s, baseline=wrong_floor), runtime)["plan"] == kernel
+    assert (
+        planner.plan(replace(s, options=Options(device="cpu", time_budget_s=100.0)), runtime)["plan"]
+        == kernel
+    )
+    best = Candidate(id="c1", strategy="fused_pointwise", source_kind="kernel", source="", verdict="pass")
+    assert (
+        planner.reference_at_sol(replace(s, best=best))
+        and planner.plan(replace(s, best=best), runtime)["plan"]
+    )
+    more = replace(s, user_messages=["more steps"])
+    assert planner.plan(more, runtime)["plan"] == kernel
