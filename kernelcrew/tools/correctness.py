@@ -327,8 +327,9 @@ def _judge_float(
     Outputs of memory-bound tasks are hundreds of megabytes; judged whole in float64, every step is
     a pass over DRAM. Here each slice is judged while it is in cache. A first pass finds the
     goldens' RMS (a sum of squares, in the same ranges, when every golden is finite and
-    representable, which is the usual case), then each slice takes the fast path unless its error is not finite or the golden has
-    values outside the range, where the four cases above are told apart with masks.
+    representable, which is the usual case), then each slice takes the fast path unless its error
+    is not finite or the golden has values outside the range, where the four cases above are told
+    apart with masks.
     """
     import torch
 

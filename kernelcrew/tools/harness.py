@@ -622,15 +622,15 @@ def _run_golden(
     outs = flatten_outputs(out)
     if not to_host:
         return outs, mode
-    out = None
+    out = None  # the model's output structure: each float64 tensor goes once it is rounded
     outs = stored_golden(outs, native)
     return [host_copy(t) for t in outs], mode
 
 
 def stored_golden(golden: list[Any], native: list[Any] | None) -> list[Any]:
-    """Float64 golden outputs (the list, changed in place) as the golden keeps them: each rounded to float32 where the reference's
-    own output (``native``) is float32 or narrower and rounding leaves every finite value finite,
-    else as computed. Rounding moves a value by at most 2**-24 of itself, under a thousandth of the
+    """Float64 golden outputs (the list, changed in place) as the golden keeps them: each rounded
+    to float32 where the reference's own output (``native``) is float32 or narrower and rounding
+    leaves every finite value finite, else as computed. Rounding moves a value by at most 2**-24 of itself, under a thousandth of the
     strictest float tolerance (rtol 1e-4), and halves what a large task's golden copies to the host,
     writes and the judge reads (12.8 GB a set for a 6.4 GB float32 output). A golden beyond
     float32's range stays float64: the judge tells such elements apart."""
