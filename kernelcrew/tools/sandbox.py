@@ -58,6 +58,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -192,6 +193,10 @@ def machine_memory_limit(meminfo: Path = Path("/proc/meminfo")) -> int:
     return 32 * 1024**3
 
 
+#: A child's memory limit never falls below this for what boxes keep (:func:`kept_bytes`).
+MIN_CHILD_MEMORY = 4 * 1024**3
+
+
 def default_cpu_seconds(wall_s: float) -> int:
     """A child's CPU-time limit when none is configured: every core this process may use, busy for
     the whole wall-clock limit (at least 1800 s), so the wall clock is what binds. A fixed figure
@@ -220,11 +225,15 @@ class SandboxLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **overrides: Any) -> SandboxLimits:
+        """The configured limits; where no memory limit is configured, the machine's share
+        (:func:`machine_memory_limit`) less what boxes of this process still keep in memory
+        (:func:`kept_bytes`): those bytes come out of the children's share, not the host's."""
         s = settings or get_settings()
         values = dict(
             wall_s=s.sandbox_timeout_s,
             cpu_s=s.sandbox_cpu_s,
-            memory_bytes=s.sandbox_memory_mb * 1024**2 or machine_memory_limit(),
+            memory_bytes=s.sandbox_memory_mb * 1024**2
+            or max(MIN_CHILD_MEMORY, machine_memory_limit() - kept_bytes()),
             max_procs=s.sandbox_max_procs,
             max_open_files=s.sandbox_max_open_files,
             max_output_bytes=s.sandbox_max_output_bytes,
@@ -899,6 +908,19 @@ class BoxFiles:
         )
         self._fd = box_fd  # owned from here on (a failed check above leaves it to the caller)
         self.names = regular
+        _open_boxes.add(self)
+
+    def trim(self) -> None:
+        """Remove everything else from the box's folder (copied out already): a golden's box held
+        its inputs in memory besides their copy on the disk, as large as the outputs it keeps."""
+        for entry in os.scandir(self._fd):
+            if entry.name in self.names:
+                continue
+            with contextlib.suppress(OSError):  # what cannot go stays held until close, as before
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.name, dir_fd=self._fd)
+                else:
+                    os.unlink(entry.name, dir_fd=self._fd)
 
     def __contains__(self, name: object) -> bool:
         return self._fd >= 0 and name in self.names
@@ -926,10 +948,23 @@ class BoxFiles:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        _open_boxes.discard(self)
 
     def __del__(self) -> None:  # a caller that forgot: the box's memory is not held forever
         with contextlib.suppress(Exception):
             self.close()
+
+
+_open_boxes: weakref.WeakSet[BoxFiles] = weakref.WeakSet()
+
+
+def kept_bytes() -> int:
+    """Bytes this process's boxes keep in memory now (their files, :class:`BoxFiles`)."""
+    total = 0
+    for box in list(_open_boxes):
+        with contextlib.suppress(OSError):
+            total += box.nbytes() if box._fd >= 0 else 0
+    return total
 
 
 def child_file(res: SandboxResult, child_dir: Path, name: str) -> Path:
@@ -1459,6 +1494,7 @@ class _Child:
                 if self.keep:
                     present = set(os.listdir(self.box_dir))
                     kept = BoxFiles(self.box_dir, tuple(n for n in self.keep if n in present))
+                    kept.trim()
             except OSError as exc:  # the host's side ran out of room (or files): the result is lost
                 copy_error = _copy_out_error(exc, self.box_dir, self.child_dir)
             finally:

@@ -724,3 +724,34 @@ def test_an_honest_child_still_hands_its_files_back(box_settings, tmp_path):
     assert res.ok, res.message
     assert "inside.txt" in res.value["files"]
     assert (workdir / "child" / "inside.txt").read_text() == "ok", "copied out of the box's folder"
+
+
+def test_a_box_keeps_only_its_kept_files_and_they_come_out_of_the_next_child_s_memory(
+    box_settings, monkeypatch
+):
+    """A kept box held every file its child wrote (a golden's inputs as well as its outputs) until
+    closed; now only the kept files stay, and while they are held the next child's default memory
+    limit is the machine's share less their bytes."""
+    workdir = sandbox.make_workdir("kc-box-trim-")
+    try:
+        res = sandbox.run(
+            f"{T}:leave_links",
+            {"targets": ["/etc/hostname"]},
+            workdir=workdir,
+            limits=LIMITS,
+            settings=box_settings,
+            keep=("plain.txt",),
+        )
+        assert res.ok and res.kept is not None
+        assert os.listdir(res.kept.path("plain.txt").parent) == ["plain.txt"]
+        monkeypatch.setattr(sandbox, "machine_memory_limit", lambda: 8 * 1024**3)
+        held = res.kept.nbytes()
+        assert held > 0 and sandbox.kept_bytes() >= held
+        limit = sandbox.SandboxLimits.from_settings(Settings(sandbox_memory_mb=0)).memory_bytes
+        assert limit == 8 * 1024**3 - sandbox.kept_bytes()
+        res.kept.close()
+        assert sandbox.kept_bytes() == 0
+        assert sandbox.SandboxLimits.from_settings(Settings(sandbox_memory_mb=0)).memory_bytes == 8 * 1024**3
+        assert sandbox.SandboxLimits.from_settings(Settings(sandbox_memory_mb=1024)).memory_bytes == 1024**3
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
