@@ -395,20 +395,25 @@ def test_the_parent_never_follows_what_the_child_left(box_settings):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _leave_links(workdir: Path, settings: Settings, keep: tuple[str, ...]) -> sandbox.SandboxResult:
+    """A boxed child that leaves a link to the host's /etc/hostname, a FIFO and a plain file."""
+    return sandbox.run(
+        f"{T}:leave_links",
+        {"targets": ["/etc/hostname"]},
+        workdir=workdir,
+        limits=LIMITS,
+        settings=settings,
+        keep=keep,
+    )
+
+
 def test_files_kept_in_the_box_are_read_in_place_and_links_are_never_offered(box_settings, tmp_path):
     """A large task's golden and a candidate's outputs stay in the box's memory for the parent's
     judge instead of being copied to the disk; a link or FIFO named like a kept file is not offered
     (the parent would follow it on the host), and nothing kept is copied out."""
     workdir = sandbox.make_workdir("kc-box-kept-")
     try:
-        res = sandbox.run(
-            f"{T}:leave_links",
-            {"targets": ["/etc/hostname"]},
-            workdir=workdir,
-            limits=LIMITS,
-            settings=box_settings,
-            keep=("plain.txt", "link-0", "fifo", "absent.txt"),
-        )
+        res = _leave_links(workdir, box_settings, ("plain.txt", "link-0", "fifo", "absent.txt"))
         assert res.ok, res
         child = workdir / "child"
         assert res.kept is not None and res.kept.names == ("plain.txt",)
@@ -734,14 +739,7 @@ def test_a_box_keeps_only_its_kept_files_and_they_come_out_of_the_next_child_s_m
     limit is the machine's share less their bytes."""
     workdir = sandbox.make_workdir("kc-box-trim-")
     try:
-        res = sandbox.run(
-            f"{T}:leave_links",
-            {"targets": ["/etc/hostname"]},
-            workdir=workdir,
-            limits=LIMITS,
-            settings=box_settings,
-            keep=("plain.txt",),
-        )
+        res = _leave_links(workdir, box_settings, ("plain.txt",))
         assert res.ok and res.kept is not None
         assert os.listdir(res.kept.path("plain.txt").parent) == ["plain.txt"]
         monkeypatch.setattr(sandbox, "machine_memory_limit", lambda: 8 * 1024**3)
