@@ -630,26 +630,26 @@ def _run_golden(
 def stored_golden(golden: list[Any], native: list[Any] | None) -> list[Any]:
     """Float64 golden outputs (the list, changed in place) as the golden keeps them: each rounded
     to float32 where the reference's own output (``native``) is float32 or narrower and rounding
-    leaves every finite value finite, else as computed. Rounding moves a value by at most 2**-24 of itself, under a thousandth of the
-    strictest float tolerance (rtol 1e-4), and halves what a large task's golden copies to the host,
-    writes and the judge reads (12.8 GB a set for a 6.4 GB float32 output). A golden beyond
-    float32's range stays float64: the judge tells such elements apart."""
+    leaves every finite value finite, else as computed. Rounding moves a value by at most 2**-24
+    of itself, under a thousandth of the strictest float tolerance (rtol 1e-4), and halves what a
+    large task's golden copies to the host, writes and the judge reads (12.8 GB a set for a 6.4 GB
+    float32 output). A golden beyond float32's range stays float64: the judge tells such elements
+    apart."""
     import torch
 
     if native is None or len(native) != len(golden):
         return golden
     narrow = (torch.float32, torch.float16, torch.bfloat16)
-    out = golden  # in place: each float64 output is let go once its rounded copy replaces it
-    for i, n in enumerate(native):
-        if out[i].dtype == torch.float64 and n.dtype in narrow:
+    for i, n in enumerate(native):  # in place: each float64 output goes once its rounding replaces it
+        if golden[i].dtype == torch.float64 and n.dtype in narrow:
             try:
-                rounded = out[i].to(torch.float32)
+                rounded = golden[i].to(torch.float32)
             except torch.OutOfMemoryError:  # no room for the rounded copy: kept as computed
                 continue
-            if int(torch.isinf(rounded).sum()) == int(torch.isinf(out[i]).sum()):
-                out[i] = rounded
+            if int(torch.isinf(rounded).sum()) == int(torch.isinf(golden[i]).sum()):
+                golden[i] = rounded
             del rounded
-    return out
+    return golden
 
 
 def golden_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:

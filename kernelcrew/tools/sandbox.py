@@ -961,9 +961,9 @@ _open_boxes: weakref.WeakSet[BoxFiles] = weakref.WeakSet()
 def kept_bytes() -> int:
     """Bytes this process's boxes keep in memory now (their files, :class:`BoxFiles`)."""
     total = 0
-    for box in list(_open_boxes):
+    for box in list(_open_boxes):  # a box leaves the set when it is closed
         with contextlib.suppress(OSError):
-            total += box.nbytes() if box._fd >= 0 else 0
+            total += box.nbytes()
     return total
 
 
