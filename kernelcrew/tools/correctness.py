@@ -806,6 +806,7 @@ def verify(
             "sets": meta["sets"],
             "reference_aliases": any(r["alias"] for r in meta["sets"]),
             "profile_kind": profile_kind,
+            "sampled_sets": sampled_sets(meta),
         }
         seed_from_reference(task_source, candidate_source)
         prepared = round(time.monotonic() - preparing, 2)
@@ -843,6 +844,7 @@ def verify(
             lambda name: sandbox.child_file(found, cand_dir / "child", name),
             golden,
             value["nondeterministic"],
+            cand_payload["sampled_sets"],
         )
         verdict.phase_s["judge"] = round(time.monotonic() - judging, 2)
         _closed(res.kept)  # judged: their memory goes before anything else runs
@@ -927,15 +929,22 @@ def _flags(meta: dict[str, Any], notes: list[str]) -> list[str]:
     scaled = [f"x{r['factor']:g} of set {r['of']}" for r in sets if r["origin"] == "scaled"]
     if scaled:
         flags.append(f"scaled variants tested ({len(scaled)}): {', '.join(scaled)}")
+    sampled = sampled_sets(meta)
+    if sampled:
+        flags.append(
+            f"input sets {sorted(sampled)} judged on {SET_SAMPLE_ELEMENTS} elements of each output drawn "
+            "at random (a large output; the first seed set is judged in full)"
+        )
     flags.extend(n for n in notes if "get_test_inputs" not in n or len(shapes) > 1)
     return list(dict.fromkeys(flags))
 
 
 def _fingerprint(outs: list[Any]) -> tuple[str, ...]:
     """Identifies a call's outputs cheaply: identical outputs (a candidate replaying an earlier
-    answer) always match, different ones practically never do. Hashes a strided sample of at most
-    64K elements and the float64 sum of all of them, not every byte of outputs that can be
-    gigabytes; a match only relabels a wrong output as stale, it never passes one."""
+    answer) always match, different ones practically never do. Hashes the bytes of a strided
+    sample of at most :data:`FINGERPRINT_ELEMENTS` elements, not every byte of outputs that can be
+    gigabytes (a float64 sum of a 1.6 billion-element output took its judging thread 1.4 s before
+    the judging began); a match only relabels a wrong output as stale, it never passes one."""
     import hashlib
 
     import torch
@@ -945,24 +954,54 @@ def _fingerprint(outs: list[Any]) -> tuple[str, ...]:
         flat = t.detach().reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 65536)].contiguous()
-        total = float(flat.sum(dtype=torch.float64)) if flat.numel() else 0.0
+        sample = flat[:: max(1, -(-flat.numel() // FINGERPRINT_ELEMENTS))].contiguous()
         digest = hashlib.sha1(sample.view(torch.uint8).numpy().tobytes()).hexdigest()
-        parts.append(f"{tuple(t.shape)}:{t.dtype}:{total!r}:{digest}")
+        parts.append(f"{tuple(t.shape)}:{t.dtype}:{digest}")
     return tuple(parts)
+
+
+#: Elements of an output that :func:`_fingerprint` hashes, at most.
+FINGERPRINT_ELEMENTS = 1 << 20
 
 
 #: Elements kept of each output of a re-check call (repeat, grad and inference modes, the cache
 #: sequence), at most, at positions the child draws after the call returned
-#: (:func:`harness.sample_outputs`): the input sets' own calls are kept, and judged, in full.
+#: (:func:`harness.sample_outputs`): the input sets' own calls are kept, and judged, in full
+#: (but see :func:`sampled_sets`).
 RECHECK_ELEMENTS = 1 << 16
+#: Output elements of one call from which a large task's later seed sets are judged on a sample.
+LARGE_OUTPUT_ELEMENTS = 1 << 26
+#: Elements of each output kept of such a set's call, at positions drawn after the call returned.
+SET_SAMPLE_ELEMENTS = 1 << 24
 
 
-def _picked(pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[str, Any] | None]:
+def sampled_sets(meta: dict[str, Any]) -> dict[int, int]:
+    """The input sets whose calls are judged on a random sample of each output, with its size.
+
+    A memory-bound task's output is gigabytes (1.6 billion elements for a 6.4 GB pointwise task):
+    judging, writing and copying every element of each input set took a verification 20-27 s on
+    an H100 host. Where a call's outputs reach :data:`LARGE_OUTPUT_ELEMENTS`, the first seed set
+    and every set of another shape (test sets, variants) are still judged in full; each further
+    seed set of the first one's shapes, which only adds other values at the same positions, is
+    judged on :data:`SET_SAMPLE_ELEMENTS` elements per output drawn by the child after the call
+    returned, as re-check calls are. A wrong answer that differs from the first set's elsewhere
+    than on a few dozen elements of billions is found as surely as in full; the parent alone
+    decides which sets these are, so a child cannot have the first set sampled."""
+    elements = sum(math.prod(o["shape"]) for o in meta.get("outputs") or [])
+    seeds = [r for r in meta["sets"] if r["origin"] == "seed"]
+    if elements < LARGE_OUTPUT_ELEMENTS or not seeds:
+        return {}
+    return {r["index"]: SET_SAMPLE_ELEMENTS for r in seeds[1:] if r["shapes"] == seeds[0]["shapes"]}
+
+
+def _picked(
+    pick: Any, g: Any, n: Any, count: int | None = None
+) -> tuple[Any, Any, Any, dict[str, Any] | None]:
     """The golden and native elements at the positions a re-check call's output was kept at (the
     child drew them after the call: :func:`harness.sample_outputs`), the positions, and a failure
     when the kept shape is not the reference's or the record is not positions of it (the child's
-    file: anything may be in it)."""
+    file: anything may be in it). ``count``: the number of positions a sampled input set's call
+    must have (:func:`sampled_sets`); a re-check's are at most :data:`RECHECK_ELEMENTS`."""
     import torch
 
     malformed = {"ok": False, "stage": "output_type", "message": "malformed sample positions"}
@@ -981,7 +1020,7 @@ def _picked(pick: Any, g: Any, n: Any) -> tuple[Any, Any, Any, dict[str, Any] | 
         not isinstance(positions, torch.Tensor)
         or positions.dtype != torch.int64
         or positions.dim() != 1
-        or not 0 < positions.numel() <= RECHECK_ELEMENTS
+        or not (0 < positions.numel() <= RECHECK_ELEMENTS if count is None else positions.numel() == count)
         or int(positions.min()) < 0
         or int(positions.max()) >= n.numel()
     ):
@@ -1025,11 +1064,19 @@ def _expected_set(key: str) -> int:
 
 
 def _judge(
-    verdict: Verdict, meta: dict[str, Any], child_file: Callable[[str], Path], made: Golden, nondet: bool
+    verdict: Verdict,
+    meta: dict[str, Any],
+    child_file: Callable[[str], Path],
+    made: Golden,
+    nondet: bool,
+    sampled: dict[int, int] | None = None,
 ) -> None:
     """Judge the candidate child's outputs (``child_file(name)``: where its file is) against the
-    golden ``made``."""
+    golden ``made``; the calls of the input sets in ``sampled`` (:func:`sampled_sets`) on the
+    elements the child kept, every other set's in full."""
     import torch
+
+    sampled = sampled or {}
 
     def unreadable(what: str) -> None:
         failure = Failure("output_type", f"{what} could not be read")
@@ -1042,6 +1089,10 @@ def _judge(
         outputs = None
     if not isinstance(outputs, dict) or not all(isinstance(v, list | tuple) for v in outputs.values()):
         unreadable("the candidate's outputs")
+        return
+    missing = [r["index"] for r in meta["sets"] if f"set:{r['index']}" not in outputs]
+    if missing:  # every input set's call is judged, whatever the child's file leaves out
+        unreadable(f"the candidate's outputs on input sets {missing}")
         return
     golden = torch.load(made.file("golden.pt"), weights_only=True, mmap=True)
     native = torch.load(made.file("native.pt"), weights_only=True, mmap=True)
@@ -1063,7 +1114,9 @@ def _judge(
         if len(outs) != len(g_list):
             return fingerprint, None
         results = []
-        kept = picks.get(key) if not key.startswith("set:") else None  # input sets: always in full
+        whole = key.startswith("set:") and idx not in sampled  # whatever the child's picks say
+        count = sampled.get(idx) if key.startswith("set:") else None
+        kept = picks.get(key) if not whole else None
         kept = kept if isinstance(kept, list) else [None] * len(outs)
         if len(kept) != len(outs):
             return fingerprint, None
@@ -1071,7 +1124,7 @@ def _judge(
             dtype = str(n.dtype).replace("torch.", "")
             positions = None
             if kept[o] is not None:
-                g, n, positions, failure = _picked(kept[o], g, n)
+                g, n, positions, failure = _picked(kept[o], g, n, count)
                 if failure is not None:
                     results.append(failure)
                     continue

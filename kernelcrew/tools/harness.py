@@ -991,11 +991,16 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
     resident = room is None or sum(input_bytes(s) for s in input_lists) <= room
     held_bytes = 0
 
+    # The parent's choice (correctness.sampled_sets): a large task's later seed sets, sampled.
+    sampled = {int(k): int(v) for k, v in (payload.get("sampled_sets") or {}).items()}
+
     def keep(key: str, out: Any, hold: bool = False) -> None:
         nonlocal held_bytes
         tensors = flatten_outputs(out)
-        if key.startswith("set:"):
+        if key.startswith("set:") and int(key[4:]) not in sampled:
             outputs[key], picks[key] = [host_copy(t) for t in tensors], [None] * len(tensors)
+        elif key.startswith("set:"):
+            outputs[key], picks[key] = sample_outputs(tensors, sampled[int(key[4:])])
         else:
             outputs[key], picks[key] = sample_outputs(tensors)
         size = sum(t.numel() * t.element_size() for t in tensors)
@@ -1139,8 +1144,9 @@ def _check_memory(device: str) -> int | None:
     return int(CHECK_MEMORY_SHARE * free)
 
 
-def sample_outputs(tensors: list[Any]) -> tuple[list[Any], list[Any]]:
-    """What is kept of a re-check call's outputs: a tensor of at most ``RECHECK_ELEMENTS``
+def sample_outputs(tensors: list[Any], count: int | None = None) -> tuple[list[Any], list[Any]]:
+    """What is kept of a re-check call's outputs (or a sampled input set's, ``count`` elements
+    each: ``correctness.sampled_sets``): a tensor of at most ``count`` (``RECHECK_ELEMENTS``)
     elements in full, a larger one at that many positions drawn from ``os.urandom`` after the call
     returned (the state checks make sure the candidate has not replaced it), with the positions and
     the shape. A re-check catches a replayed, cached or mode-dependent answer: wrong nearly
@@ -1150,17 +1156,16 @@ def sample_outputs(tensors: list[Any]) -> tuple[list[Any], list[Any]]:
 
     from kernelcrew.tools.correctness import RECHECK_ELEMENTS
 
+    count = RECHECK_ELEMENTS if count is None else count
     kept, picks = [], []
     for t in tensors:
         flat = t.detach().reshape(-1)
-        if flat.numel() <= RECHECK_ELEMENTS:
+        if flat.numel() <= count:
             kept.append(host_copy(t))
             picks.append(None)
             continue
         generator = torch.Generator(device=flat.device).manual_seed(int.from_bytes(os.urandom(8)) >> 2)
-        positions = torch.randint(
-            0, flat.numel(), (RECHECK_ELEMENTS,), generator=generator, device=flat.device
-        )
+        positions = torch.randint(0, flat.numel(), (count,), generator=generator, device=flat.device)
         kept.append(flat[positions].to("cpu"))
         picks.append({"positions": positions.to("cpu"), "shape": list(t.shape)})
     return kept, picks

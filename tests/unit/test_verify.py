@@ -527,6 +527,84 @@ def test_a_large_recheck_output_is_judged_on_random_positions_and_its_error_loca
     assert 0 <= row < 300 and 0 <= col < 1000
 
 
+_RIGHT_ONLY_ONCE = """
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * (2.0 if self.calls == 1 else 2.5)
+"""
+
+
+def test_a_large_task_s_later_seed_sets_are_judged_on_a_sample_and_still_catch_a_wrong_answer(
+    monkeypatch,
+):
+    """Past LARGE_OUTPUT_ELEMENTS, the seed sets after the first are judged on SET_SAMPLE_ELEMENTS
+    elements drawn in the child after the call: a correct candidate passes with the flag saying so,
+    and one right only on its first call fails on the sampled set, located in the whole output."""
+    from kernelcrew.tools import correctness
+
+    monkeypatch.setattr(correctness, "LARGE_OUTPUT_ELEMENTS", 1000)
+    monkeypatch.setattr(correctness, "SET_SAMPLE_ELEMENTS", 5000)
+    settings = Settings(sandbox_timeout_s=120)
+    with make_golden(_WIDE_TASK, device="cpu", settings=settings) as golden:
+        sampled = correctness.sampled_sets(golden.meta)
+        seeds = [r["index"] for r in golden.meta["sets"] if r["origin"] == "seed"]
+        assert len(seeds) >= 2 and sampled == dict.fromkeys(seeds[1:], 5000)
+        good = verify(_WIDE_TASK, _WIDE_TASK.replace("class Model(", "class ModelNew("), golden=golden)
+        assert good.passed, good.message
+        assert any("judged on 5000 elements" in f for f in good.flags), good.flags
+        bad = verify(_WIDE_TASK, _RIGHT_ONLY_ONCE, golden=golden)
+    assert not bad.passed
+    failure = bad.failures[0]
+    assert failure["input_set"]["index"] == seeds[1] and "drawn at random" in failure["message"], failure
+    row, col = failure["first_bad_index"]
+    assert 0 <= row < 300 and 0 <= col < 1000
+
+
+def test_a_child_cannot_have_an_input_set_judged_on_a_sample_the_parent_did_not_choose(tmp_path):
+    """Which sets are sampled is the parent's decision: a child that keeps the first set's call as
+    a sample (positions of its choosing) is judged on it in full and fails; a sampled set's sample
+    must have exactly the size asked for."""
+    from types import SimpleNamespace
+
+    from kernelcrew.records import Verdict
+    from kernelcrew.tools import correctness
+
+    golden_outs = [[torch.randn(10_000, dtype=torch.float64)] for _ in range(2)]
+    torch.save(golden_outs, tmp_path / "golden.pt")
+    torch.save([[g.float() for g in outs] for outs in golden_outs], tmp_path / "native.pt")
+    made = SimpleNamespace(file=lambda name: tmp_path / name)
+    meta = {
+        "reference_ops": {},
+        "sets": [{"index": i, "origin": "seed", "seed": i, "shapes": ["float32[10000]"]} for i in (0, 1)],
+    }
+
+    def judged(samples: dict[int, int], whole: tuple[int, ...] = (0,)) -> Verdict:
+        outputs, picks = {f"set:{i}": [golden_outs[i][0].float()] for i in whole}, {}
+        for i, size in samples.items():  # the calls the child kept as samples of ``size``
+            positions = torch.randint(0, 10_000, (size,))
+            outputs[f"set:{i}"] = [golden_outs[i][0][positions].float()]
+            picks[f"set:{i}"] = [{"positions": positions, "shape": [10_000]}]
+        torch.save(outputs, tmp_path / "outputs.pt")
+        torch.save(picks, tmp_path / "picks.pt")
+        verdict = Verdict(verdict="fail", stage="", message="", seed=1, device="cpu", precision="strict")
+        correctness._judge(verdict, meta, lambda n: tmp_path / n, made, False, {1: 100})
+        return verdict
+
+    assert judged({1: 100}).passed
+    assert judged({0: 100, 1: 100}, whole=()).stage == "shape"  # the first set's sample: no output
+    assert "outputs on input sets [0]" in judged({1: 100}, whole=()).message  # nor may it be left out
+    assert "malformed sample positions" in judged({1: 10}).message
+
+
 @pytest.mark.parametrize(
     "written", [b"not a torch file", "chmod", ["a", "list"], {"set:0": "a string"}], ids=repr
 )
