@@ -879,6 +879,9 @@ def load_candidate_model(
 
     torch.manual_seed(seed + INIT_SEED_OFFSET)
     init = call_inputs(task.get_init_inputs, "get_init_inputs", task.name)
+    # The calls' own snapshots are taken after this: a change made while ModelNew is built and
+    # given its weights would be the state every call starts from, seen by none of them.
+    before = snapshot_state((path,))
     try:
         with instrument_builds(source, report, path):  # extensions built in __init__ are recorded too
             model = construct_on(device, lambda: cls(*init), seed + INIT_SEED_OFFSET)
@@ -909,6 +912,11 @@ def load_candidate_model(
                 detail=str(exc)[:2000],
             ) from exc
         del result
+    changes = state_changes(before, snapshot_state((path,)))
+    if changes:
+        raise StageError(
+            "state", "building ModelNew or loading its weights changed global state: " + "; ".join(changes)
+        )
     model = model.to(device).eval()
     return model, reference, report.to_dict()
 

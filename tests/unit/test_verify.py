@@ -569,6 +569,32 @@ def test_a_large_task_s_later_seed_sets_are_judged_on_a_sample_and_still_catch_a
     assert 0 <= row < 300 and 0 <= col < 1000
 
 
+_STATE_IN_INIT = """
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.autograd.set_detect_anomaly(True)
+
+    def forward(self, x):
+        return x * 2.0
+"""
+
+
+def test_global_state_changed_while_the_candidate_is_built_fails_without_the_static_rules(monkeypatch):
+    """Each call's state snapshot is taken after ModelNew was built: a change made in ``__init__``
+    is checked on its own (here with the static rules, which also refuse it, switched off)."""
+    from kernelcrew.tools import correctness
+
+    monkeypatch.setattr(correctness, "static_check", lambda source, path="candidate.py": [])
+    verdict = verify(_WIDE_TASK, _STATE_IN_INIT, device="cpu", settings=Settings(sandbox_timeout_s=120))
+    assert verdict.stage == "state" and "building ModelNew" in verdict.message, verdict.message
+    assert "anomaly_enabled" in verdict.message
+
+
 def test_a_child_cannot_have_an_input_set_judged_on_a_sample_the_parent_did_not_choose(tmp_path):
     """Which sets are sampled is the parent's decision: a child that keeps the first set's call as
     a sample (positions of its choosing) is judged on it in full and fails; a sampled set's sample
