@@ -69,6 +69,12 @@ class VerifyRequest(ExecutorRequest):
         description="Profile whose kernels did the work (the verdict's kind); off where a timing "
         "follows that profiles the timed calls anyway.",
     )
+    mode_checks: bool = Field(
+        True,
+        description="Also call the candidate with autograd on and in inference mode. Off only for "
+        "kernelcrew's own torch.compile of the reference (the compiler fallback): recompiling a "
+        "large network for both modes was most of its verification.",
+    )
 
 
 class BenchmarkRequest(ExecutorRequest):

@@ -733,13 +733,16 @@ def verify(
     settings: Settings | None = None,
     golden: Golden | None = None,
     profile_kind: bool = True,
+    mode_checks: bool = True,
 ) -> Verdict:
     """Run the whole verification protocol; raises :class:`TaskError` for an unusable task file.
 
     Pass a ``golden`` from :func:`make_golden` to judge several candidates against one set of
     inputs and reference outputs (its device, precision and seed then apply). With
     ``profile_kind=False`` the candidate's kind is left to the timing that follows
-    (:func:`kernelcrew.tools.timing.benchmark` profiles the timed candidate itself).
+    (:func:`kernelcrew.tools.timing.benchmark` profiles the timed candidate itself). With
+    ``mode_checks=False`` the calls with autograd on and in inference mode are left out, for
+    kernelcrew's own ``torch.compile`` of the reference only (the verdict flags it).
     """
     s = settings or get_settings()
     # A best.py's torch.compile packaging is not candidate code: off it comes, checked to be exactly
@@ -789,6 +792,8 @@ def verify(
     verdict.golden_mode = meta["golden_mode"]
     verdict.input_sets = meta["sets"]
     verdict.flags.extend(_flags(meta, golden.notes))
+    if not mode_checks:
+        verdict.flags.append("grad and inference modes not re-checked (kernelcrew's own torch.compile)")
     env = {**DETERMINISTIC_ENV, **child_env(device, candidate_source)}
     cand_dir = sandbox.make_workdir("kc-cand-")
     preparing = time.monotonic()
@@ -806,6 +811,7 @@ def verify(
             "sets": meta["sets"],
             "reference_aliases": any(r["alias"] for r in meta["sets"]),
             "profile_kind": profile_kind,
+            "mode_checks": mode_checks,
             "sampled_sets": sampled_sets(meta),
         }
         seed_from_reference(task_source, candidate_source)

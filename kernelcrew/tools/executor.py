@@ -165,6 +165,7 @@ class LocalExecutor:
             golden=golden,
             settings=self.settings,
             profile_kind=request.profile_kind,
+            mode_checks=request.mode_checks,
         )
 
     def benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:

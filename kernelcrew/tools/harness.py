@@ -1070,7 +1070,9 @@ def candidate_child(payload: dict[str, Any], workdir: Path) -> dict[str, Any]:
         # A user's call may run with autograd on or in inference mode: the same answer there. A
         # candidate that cannot run so (torch.compile refuses an in-place update its backward
         # would need, where eager runs the forward) is noted, not failed: the task is a forward.
-        for mode_name, mode in (("grad", torch.enable_grad), ("inference", torch.inference_mode)):
+        # Left out when the parent says so (kernelcrew's own torch.compile of the reference).
+        modes = (("grad", torch.enable_grad), ("inference", torch.inference_mode))
+        for mode_name, mode in modes if payload.get("mode_checks", True) else ():
             try:
                 out = call(clone_tensors(on_device(first_set)), f"input set 0 with {mode_name} mode", mode)
             except StageError as exc:

@@ -557,7 +557,7 @@ def test_the_insurance_fallback_runs_however_much_of_the_budget_the_baseline_use
 
         def verify(self, request):
             self.asked += 1
-            assert not request.profile_kind
+            assert not request.profile_kind and not request.mode_checks
             return Verdict(
                 verdict="pass", stage="done", message="ok", seed=0, device="cuda", precision="strict"
             )

@@ -527,6 +527,16 @@ def test_a_large_recheck_output_is_judged_on_random_positions_and_its_error_loca
     assert 0 <= row < 300 and 0 <= col < 1000
 
 
+def test_the_compiler_fallback_s_verification_leaves_out_the_mode_calls_and_says_so():
+    """``mode_checks=False`` (kernelcrew's own torch.compile of the reference only) leaves out the
+    calls with autograd on and in inference mode: a candidate wrong only under autograd, which the
+    default verification fails, then passes, and the verdict flags what was not re-checked."""
+    settings = Settings(sandbox_timeout_s=120)
+    verdict = verify(_WIDE_TASK, _WRONG_WITH_GRAD, device="cpu", settings=settings, mode_checks=False)
+    assert verdict.passed, verdict.message
+    assert any("grad and inference modes not re-checked" in f for f in verdict.flags), verdict.flags
+
+
 _RIGHT_ONLY_ONCE = """
 import torch
 import torch.nn as nn
