@@ -455,3 +455,68 @@ def test_a_convolution_read_outside_the_region_keeps_its_bias():
     plan, reason = anchored.match(local_analysis(READ_OUTSIDE))
     assert plan is not None, reason
     assert plan.bias_folds == {}
+
+
+#: A strided transposed 3-D convolution (the library's) and a 2-D one with few channels, then
+#: elementwise math: each runs channels-last or contiguous, as its first call times them.
+LIBRARY_CONVS = task(
+    """
+    self.up = nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1)
+    self.conv = nn.Conv2d(6, 3, 3, bias=False)
+    """,
+    """
+    y = torch.relu(self.up(x)) * 0.5
+    return self.conv(y.mean(dim=2)) + 1.0
+    """,
+    "torch.randn(2, 4, 3, 5, 4)",
+    "[[torch.randn(1, 4, 2, 4, 6)]]",
+)
+
+
+def test_library_convolutions_choose_their_layout_and_verify():
+    analysis = local_analysis(LIBRARY_CONVS)
+    plan, reason = anchored.match(analysis)
+    assert plan is not None, reason
+    assert plan.layouts == ["up", "conv"] and plan.convs == []
+    assert (
+        "2 library convolution(s) run channels-last where their first call times that layout faster" in reason
+    )
+    params = playbook.tuning_space("anchored_fusion", analysis, "cpu")[0]
+    candidate = generate("anchored_fusion", LIBRARY_CONVS, analysis, params)
+    assert static_check(candidate) == []
+    assert "LAYOUT_AUTO = True" in candidate and "'up': (" in candidate and "'conv': (" in candidate
+    _passes_as_own_kernels(LIBRARY_CONVS, candidate)
+    fixed = generate("anchored_fusion", LIBRARY_CONVS, analysis, {**params, "layout": "contiguous"})
+    assert "LAYOUT_AUTO = False" in fixed
+    with pytest.raises(ValueError, match="layout must be"):
+        generate("anchored_fusion", LIBRARY_CONVS, analysis, {**params, "layout": "nhwc"})
+
+
+@pytest.mark.parametrize("faster", ["channels_last", "contiguous"])
+def test_the_layout_chosen_at_the_first_call_computes_the_same(faster, tmp_path):
+    """Whichever layout the first call's timing picks (here a stand-in for the GPU's clock, on a
+    CPU that never times), the convolution's output is the library's in the reference's layout,
+    and the choice is kept per input shape."""
+    import torch
+    import torch.nn.functional as F
+
+    analysis = local_analysis(LIBRARY_CONVS)
+    candidate = generate("anchored_fusion", LIBRARY_CONVS, analysis, {})
+    path = tmp_path / "candidate.py"  # Triton's kernels need their source in a file
+    path.write_text(candidate)
+    namespace: dict = {"__name__": "candidate", "__file__": str(path)}
+    exec(compile(candidate, str(path), "exec"), namespace)
+    clock = iter([2.0, 1.0] if faster == "channels_last" else [1.0, 2.0])
+    namespace["_timed"] = lambda fn: next(clock)
+    up = torch.nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1)
+    x = torch.randn(2, 4, 3, 5, 4)
+    assert namespace["layout_conv"](x, up.weight, up.bias, namespace["conv_spec"](up), "up").is_contiguous()
+    assert namespace["_CHANNELS_LAST"] == {}  # a CPU tensor: never timed, the reference's layout
+    namespace["_timeable"] = lambda x: True
+    spec = namespace["conv_spec"](up)
+    y = namespace["layout_conv"](x, up.weight, up.bias, spec, "up")
+    torch.testing.assert_close(y, F.conv_transpose3d(x, up.weight, up.bias, 2, 1), rtol=1e-5, atol=1e-5)
+    assert y.is_contiguous()
+    [(entry, chosen)] = namespace["_CHANNELS_LAST"].items()
+    assert entry[:2] == ("up", (2, 4, 3, 5, 4)) and chosen == (faster == "channels_last")
+    namespace["layout_conv"](x, up.weight, up.bias, spec, "up")  # timed once per shape: no clock left
