@@ -84,6 +84,13 @@ class BenchmarkRequest(ExecutorRequest):
     compile_modes: list[str] = Field(default_factory=list, description="torch.compile modes to time.")
     quick: bool = Field(False, description="The quick timing configuration (fewer reps).")
     hotspots: bool = Field(False, description="Also rank the reference's kernels (result's profile).")
+    compile_within_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the reference's default-mode torch.compile may take where it is compiled "
+        "ahead, alongside the golden (on a GPU): a compile still running then is stopped and the mode "
+        "is not timed (its compile_errors entry says why). None: no limit.",
+    )
 
 
 class ProfileRequest(ExecutorRequest):

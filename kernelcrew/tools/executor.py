@@ -73,10 +73,12 @@ def _key(request: ExecutorRequest) -> tuple[str, str, str, int]:
     return digest, request.device, request.precision, request.seed
 
 
-def compile_ahead(request: BenchmarkRequest, settings: Settings) -> None:
+def compile_ahead(request: BenchmarkRequest, settings: Settings, timed_out: list[bool]) -> None:
     """Compile the task's reference in the request's modes into the reference's build cache
     (:func:`kernelcrew.tools.harness.compile_child`), for the timing run to load. Only an
-    optimization: whatever goes wrong here, the timing run compiles as it would have."""
+    optimization: whatever goes wrong here, the timing run compiles as it would have, except past
+    the request's ``compile_within_s``: then the child is stopped and ``timed_out`` gets True (the
+    timing run leaves the mode out rather than compile it again)."""
     from kernelcrew.tools.build import reference_build_env, reference_cache_dirs
     from kernelcrew.tools.correctness import child_env
 
@@ -93,15 +95,19 @@ def compile_ahead(request: BenchmarkRequest, settings: Settings) -> None:
     if not payload["compile_modes"]:
         return
     workdir = sandbox.make_workdir("kc-compile-")
+    limit = request.compile_within_s
     try:
-        sandbox.run(
+        result = sandbox.run(
             "kernelcrew.tools.harness:compile_child",
             payload,
+            limits=None if limit is None else sandbox.SandboxLimits.from_settings(settings, wall_s=limit),
             workdir=workdir,
             env={**child_env(request.device), **reference_build_env(request.task_source)},
             settings=settings,
             writable=(reference_cache_dirs(request.task_source)["root"],),
         )
+        if limit is not None and result.status == "timeout":
+            timed_out.append(True)
     except Exception:  # the timing run compiles as it would have
         log.warning("compiling the reference ahead failed", exc_info=True)
     finally:
@@ -172,11 +178,13 @@ class LocalExecutor:
         from kernelcrew.tools.timing import benchmark
 
         lap = Laps()
-        warming = None
+        warming, timed_out = None, []
         overlap = self.overlap_compile if self.overlap_compile is not None else request.device != "cpu"
         if overlap and request.compile_modes and _key(request) not in self._goldens:
             # the compiles' CPU work overlaps the golden's; the timing run below loads their build
-            warming = threading.Thread(target=compile_ahead, args=(request, self.settings), daemon=True)
+            warming = threading.Thread(
+                target=compile_ahead, args=(request, self.settings, timed_out), daemon=True
+            )
             warming.start()
         try:
             golden = self.golden(request)
@@ -186,10 +194,11 @@ class LocalExecutor:
                 warming.join()
                 lap("compile_ahead")
         candidates = {name: (source, f"{name}.py") for name, source in request.candidates.items()}
+        modes = [m for m in request.compile_modes if not (timed_out and m == "default")]
         result = benchmark(
             request.task_source,
             candidates,
-            compile_modes=request.compile_modes,
+            compile_modes=modes,
             quick=request.quick,
             golden=golden,
             task_path=request.task_path,
@@ -197,6 +206,12 @@ class LocalExecutor:
             settings=self.settings,
         )
         lap("benchmark")
+        if timed_out and result.failure is None:
+            result.compile_errors = {
+                **result.compile_errors,
+                "default": f"not timed: not compiled within {request.compile_within_s:.0f} s, the run's "
+                "limit for compiling the reference",
+            }
         result.phase_s = lap.seconds
         if golden_s:
             result.golden_phase_s = golden.meta.get("phase_s", {})

@@ -317,9 +317,10 @@ def test_the_compiler_candidate_the_baseline_measured_faster_is_verified_and_ret
 
 def test_the_baseline_leaves_out_a_second_compile_mode_its_share_cannot_afford(tmp_path):
     """The baseline node on a 5 s budget (a 2 s share, already spent by the golden and the timing
-    run): the optional max-autotune mode is not timed, and the budget says why."""
+    run): the optional max-autotune mode is not timed, and the budget says why. The first mode's
+    compile may take half the budget (``COMPILE_SHARE``)."""
     from kernelcrew.agents.context import CrewContext
-    from kernelcrew.agents.profiler import OPTIONAL_MODE_MIN_S, profile_baseline
+    from kernelcrew.agents.profiler import COMPILE_SHARE, OPTIONAL_MODE_MIN_S, profile_baseline
     from tests.conftest import FIXTURES
 
     settings = Settings(data_dir=tmp_path / "data")
@@ -334,10 +335,14 @@ def test_the_baseline_leaves_out_a_second_compile_mode_its_share_cannot_afford(t
         started_at=time.time(),
     )
     executor = LocalExecutor(settings)
+    asked = []
+    timed = executor.benchmark
+    executor.benchmark = lambda request: asked.append(request) or timed(request)
     try:
         update = profile_baseline(s, SimpleNamespace(context=CrewContext(executor=executor)))
     finally:
         executor.close()
+    assert [r.compile_within_s for r in asked] == [5.0 * COMPILE_SHARE] and COMPILE_SHARE == 0.5
     budget = update["budget"]
     assert budget["baseline_budget_s"] == 2.0 and budget["baseline_s"] > 2.0
     why = budget["baseline_skipped"]["compile:max-autotune-no-cudagraphs"]
@@ -460,6 +465,38 @@ def test_the_reference_compiles_while_the_golden_is_made_and_its_timing_run_load
     assert result.failure is None and result.compile_s["default"] > 0
     assert result.phase_s["compile_ahead"] >= 0 and "golden" in result.phase_s
     assert found_at_start, "the timing run started with no build in the reference's cache"
+
+
+def test_a_compile_past_its_limit_is_stopped_and_not_timed(tmp_path):
+    """A reference whose compile ahead outlasts the run's limit for it (DenseNet201's took 105 s
+    of a 90 s budget on an H100) is not compiled again by the timing run: the mode is left out and
+    the result says why, and eager is still timed."""
+    import uuid
+
+    from kernelcrew.records import BenchmarkRequest
+    from tests.conftest import FIXTURES
+
+    source = (FIXTURES / "tasks" / "pointwise.py").read_text() + f"\n# {uuid.uuid4().hex}\n"
+    executor = LocalExecutor(Settings(data_dir=tmp_path / "data"))
+    executor.overlap_compile = True
+    request = BenchmarkRequest(
+        task_source=source,
+        task_path="pointwise.py",
+        device="cpu",
+        precision="strict",
+        seed=3,
+        candidates={},
+        compile_modes=["default"],
+        quick=True,
+        compile_within_s=0.01,  # no child starts that fast
+    )
+    try:
+        result = executor.benchmark(request)
+    finally:
+        executor.close()
+    assert result.failure is None and "eager" in result.results
+    assert "compile:default" not in result.results and "default" not in result.compile_s
+    assert "not compiled within 0 s" in result.compile_errors["default"]
 
 
 def test_a_build_made_ahead_keeps_its_kernels_and_forgets_its_tuning(tmp_path):
