@@ -507,6 +507,7 @@ def test_the_layout_chosen_at_the_first_call_computes_the_same(faster, tmp_path)
     namespace: dict = {"__name__": "candidate", "__file__": str(path)}
     exec(compile(candidate, str(path), "exec"), namespace)
     clock = iter([2.0, 1.0] if faster == "channels_last" else [1.0, 2.0])
+    assert namespace["LAYOUT_MIN_MS"] == anchored.LAYOUT_MIN_MS
     namespace["_timed"] = lambda fn: next(clock)
     up = torch.nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1)
     x = torch.randn(2, 4, 3, 5, 4)
@@ -520,3 +521,22 @@ def test_the_layout_chosen_at_the_first_call_computes_the_same(faster, tmp_path)
     [(entry, chosen)] = namespace["_CHANNELS_LAST"].items()
     assert entry[:2] == ("up", (2, 4, 3, 5, 4)) and chosen == (faster == "channels_last")
     namespace["layout_conv"](x, up.weight, up.bias, spec, "up")  # timed once per shape: no clock left
+
+
+def test_a_fast_convolution_keeps_its_layout_untried(tmp_path):
+    """A convolution that took under LAYOUT_MIN_MS in the reference's layout is not timed
+    channels-last: in a network of many small ones the extra copies are launches of their own."""
+    import torch
+
+    analysis = local_analysis(LIBRARY_CONVS)
+    candidate = generate("anchored_fusion", LIBRARY_CONVS, analysis, {})
+    path = tmp_path / "candidate.py"
+    path.write_text(candidate)
+    namespace: dict = {"__name__": "candidate", "__file__": str(path)}
+    exec(compile(candidate, str(path), "exec"), namespace)
+    timed = []
+    namespace["_timeable"] = lambda x: True
+    namespace["_timed"] = lambda fn: timed.append(fn) or anchored.LAYOUT_MIN_MS / 2
+    up = torch.nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1)
+    namespace["layout_conv"](torch.randn(2, 4, 3, 5, 4), up.weight, up.bias, namespace["conv_spec"](up), "up")
+    assert len(timed) == 1 and list(namespace["_CHANNELS_LAST"].values()) == [False]

@@ -75,6 +75,12 @@ PARAM_KEYS = ("pointwise", "rows", "matmul", "conv", "direct", "layout")
 #: ``layout``: ``auto`` (each library convolution runs channels-last at an input shape where its
 #: first call there timed it faster) or ``contiguous`` (the reference's memory format throughout).
 LAYOUTS = ("auto", "contiguous")
+#: Below this many ms a library convolution keeps the reference's layout without a try (the
+#: candidate's ``LAYOUT_MIN_MS``): the copies in and out are launches of their own. On an H100 the
+#: anchored candidate of ResNet101 (about 100 convolutions of tens of microseconds), every
+#: convolution tried, ran at 0.44x eager (bench/results/kernelbench_h100.json); how much of that
+#: the layouts cost, against its regions' own launches, was not measured apart.
+LAYOUT_MIN_MS = 0.5
 ROW_PARAM_KEYS = ("MAX_SINGLE", "CHUNK", "TILE", "num_warps")
 
 
@@ -691,6 +697,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
         directs=_pretty_dict(directs),
         layouts=_pretty_dict(layouts),
         layout_auto=p["layout"] == "auto",
+        layout_min_ms=LAYOUT_MIN_MS,
         layout_note=", ".join(layouts) if layouts and p["layout"] == "auto" else "none",
         bias_folds=_pretty_dict(folds),
         direct_params=repr(p["direct"] if directs else {}),
@@ -847,6 +854,9 @@ BIAS_FOLDS = {bias_folds}
 #: (LAYOUT_AUTO), in the reference's layout otherwise.
 LAYOUTS = {layouts}
 LAYOUT_AUTO = {layout_auto!r}
+#: A convolution faster than this (ms) keeps its layout untried: the copies in and out are launches
+#: of their own, and a network of many small convolutions is bound by its launches.
+LAYOUT_MIN_MS = {layout_min_ms!r}
 _CHANNELS_LAST = {{}}  # (module path, shape, dtype, device) -> the layout chosen
 
 
@@ -880,7 +890,8 @@ def _last(x, w, bias, spec, fmt):
 
 def layout_conv(x, w, bias, spec, key):
     """The library's convolution of module ``key``, channels-last where its first call at this
-    input shape timed that layout (the copies in and out included) at least 5% faster on the GPU."""
+    input shape, on the GPU, took LAYOUT_MIN_MS or more in the reference's layout and channels-last
+    (the copies in and out included) timed at least 5% faster."""
     if not LAYOUT_AUTO or x.dim() != w.dim() or x.dim() not in (4, 5):
         return library_conv(x, w, bias, spec)
     fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
@@ -890,7 +901,7 @@ def layout_conv(x, w, bias, spec, key):
             return library_conv(x, w, bias, spec)
         with torch.no_grad():
             plain = _timed(lambda: library_conv(x, w, bias, spec))
-            last = _timed(lambda: _last(x, w, bias, spec, fmt))
+            last = _timed(lambda: _last(x, w, bias, spec, fmt)) if plain >= LAYOUT_MIN_MS else math.inf
         _CHANNELS_LAST[entry] = last < 0.95 * plain
     if _CHANNELS_LAST[entry]:
         return _last(x, w, bias, spec, fmt)
