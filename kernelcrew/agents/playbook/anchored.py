@@ -18,13 +18,10 @@ them. :func:`match` walks the traced graph in order and splits it into
 * *float32 convolutions* (``nn.Conv1d/2d/3d`` that :func:`.conv.eligible` gives the kernel: enough
   channels per group and output tiles) run as :mod:`.conv`'s own implicit-GEMM kernel in TF32x3
   (parameter ``conv``; ``"library"`` keeps cuDNN's): each such module call of the traced graph
-  calls the kernel instead. The other convolutions stay cuDNN's. A 2-D or 3-D one runs
-  channels-last (its input and weight copied into that layout, its output back) at an input shape
-  where its first call there timed that layout at least 5% faster on the GPU, in the reference's
-  layout otherwise (parameter ``layout``): which layout cuDNN runs faster depends on the shape and
-  the kind of convolution (docs/playbook.md). A convolution left to the library whose output only
-  the region after it reads runs without its bias, and that region adds it as its first op
-  (:func:`_fold_conv_bias`).
+  calls the kernel instead. The other convolutions stay cuDNN's, in the reference's memory format
+  (channels-last timed slower than contiguous on the float32 convolution tasks tried on an H100,
+  see docs/playbook.md). A convolution left to the library whose output only the region after it
+  reads runs without its bias, and that region adds it as its first op (:func:`_fold_conv_bias`).
 
 The generators are reused on a *sub-analysis*: a copy of the piece's nodes whose outside values
 are placeholders (weights stay the module's own). A reduction over other dims than the last
@@ -71,16 +68,7 @@ VIEW_OPS = frozenset(
 )
 #: Ops that start a GEMM head (float32 only: see the module docstring).
 GEMM_OPS = frozenset({"linear"}) | matmul.MATMUL_OPS
-PARAM_KEYS = ("pointwise", "rows", "matmul", "conv", "direct", "layout")
-#: ``layout``: ``auto`` (each library convolution runs channels-last at an input shape where its
-#: first call there timed it faster) or ``contiguous`` (the reference's memory format throughout).
-LAYOUTS = ("auto", "contiguous")
-#: Below this many ms a library convolution keeps the reference's layout without a try (the
-#: candidate's ``LAYOUT_MIN_MS``): the copies in and out are launches of their own. On an H100 the
-#: anchored candidate of ResNet101 (about 100 convolutions of tens of microseconds), every
-#: convolution tried, ran at 0.44x eager (bench/results/kernelbench_h100.json); how much of that
-#: the layouts cost, against its regions' own launches, was not measured apart.
-LAYOUT_MIN_MS = 0.5
+PARAM_KEYS = ("pointwise", "rows", "matmul", "conv", "direct")
 ROW_PARAM_KEYS = ("MAX_SINGLE", "CHUNK", "TILE", "num_warps")
 
 
@@ -125,10 +113,6 @@ class AnchoredPlan:
     #: spatial dims)): the library's convolution then runs without it, which saves the separate pass
     #: over its output that PyTorch's convolutions spend on the bias.
     bias_folds: dict[str, tuple[str, int]] = field(default_factory=dict)
-    #: Module paths of the 2-D and 3-D convolutions left to the library (unless ``conv`` is
-    #: ``library``, then ``convs`` and ``directs`` too): each runs channels-last or contiguous,
-    #: whichever its first call at an input shape timed faster (parameter ``layout``).
-    layouts: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,11 +137,6 @@ def match(analysis: TaskAnalysis) -> tuple[AnchoredPlan | None, str]:
         convs += f"; {len(plan.directs)} depthwise convolution(s) as own direct kernels"
     if plan.bias_folds:
         convs += f"; the bias of {len(plan.bias_folds)} library convolution(s) added in the region after it"
-    if plan.layouts:
-        convs += (
-            f"; {len(plan.layouts)} library convolution(s) run channels-last where their first call "
-            "times that layout faster"
-        )
     return plan, (
         f"library anchors ({anchors}) kept; {len(plan.regions)} region(s) between them fused into "
         f"own kernels ({ops}){left}{convs}"
@@ -178,10 +157,10 @@ def _match(a: TaskAnalysis) -> AnchoredPlan:
     if whole:
         raise Unsupported(f"a whole-module strategy applies ({whole}): it fuses more than parts can")
     plan = partition(a)
-    if not plan.regions and not plan.convs and not plan.directs and not plan.layouts:
+    if not plan.regions and not plan.convs and not plan.directs:
         raise Unsupported(
-            "no region between the anchors lowers to an own kernel, no convolution is one of the "
-            "own convolution kernels', and none is a 2-D or 3-D one whose layout could be chosen"
+            "no region between the anchors lowers to an own kernel, and no convolution is one of the "
+            "own convolution kernels'"
         )
     if a.task_source:
         try:
@@ -245,7 +224,6 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
                 i += 1
     convs = list(dict.fromkeys(n["target"] for n in a.nodes if conv.eligible(a, n)[0]))
     directs = list(dict.fromkeys(n["target"] for n in a.nodes if depthwise.eligible(a, n)[0]))
-    layouts = [t for t in layout_targets(a) if t not in convs and t not in directs]
     folds: dict[str, tuple[str, int]] = {}
     for k, region in enumerate(regions):
         folded = _fold_conv_bias(a, region, users, {*convs, *directs})
@@ -260,22 +238,7 @@ def partition(a: TaskAnalysis) -> AnchoredPlan:
         convs=convs,
         directs=directs,
         bias_folds=folds,
-        layouts=layouts,
     )
-
-
-def layout_targets(a: TaskAnalysis) -> list[str]:
-    """Module paths of the one-argument calls of 2-D and 3-D convolution modules on a batched
-    input (every such module's call: a module called twice is one entry)."""
-    found: list[str] = []
-    for node in a.nodes:
-        if node.get("kind") != "call_module" or node.get("module_type") not in conv.MODULES:
-            continue
-        weight = next((e for e in a.state_dict if e["name"] == f"{node['target']}.weight"), None)
-        rank = len((weight or {}).get("shape") or [])
-        if rank in (4, 5) and len(node.get("args") or []) == 1 and len(node.get("shape") or []) == rank:
-            found.append(node["target"])
-    return list(dict.fromkeys(found))
 
 
 def _fold_conv_bias(
@@ -602,17 +565,14 @@ def _check_params(params: dict[str, Any]) -> dict[str, Any]:
     if tiles != "library" and not isinstance(tiles, dict):
         raise ValueError(f"conv must be 'library' or the kernel's tile parameters, got {tiles!r}")
     checked = conv.check_params(tiles) if isinstance(tiles, dict) else tiles
-    layout = params.get("layout", "auto")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    out = {key: dict(params.get(key) or {}) for key in PARAM_KEYS if key not in ("conv", "direct", "layout")}
+    out = {key: dict(params.get(key) or {}) for key in PARAM_KEYS if key not in ("conv", "direct")}
     # conv="library": every convolution cuDNN's, the depthwise ones too
     direct = (
         "library"
         if tiles == "library" and "conv" in params
         else depthwise.check_params(dict(params.get("direct") or {}))
     )
-    return {**out, "conv": checked, "direct": direct, "layout": layout}
+    return {**out, "conv": checked, "direct": direct}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -628,15 +588,8 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
     signature, names = _check_forward(task_source)
     sections, table = [], []
     weights = list(dict.fromkeys(arg for r in plan.regions for arg in r.args if arg[0] != "node"))
-    convs, directs, layouts = {}, {}, {}
-    library = [
-        *plan.layouts,
-        *([] if own_convs else plan.convs),
-        *([] if p["direct"] != "library" else plan.directs),
-    ]
-    library = [t for t in library if t in set(layout_targets(analysis))]
-    chosen = [*(plan.convs if own_convs else []), *(plan.directs if p["direct"] != "library" else [])]
-    for target in [*chosen, *library]:
+    convs, directs = {}, {}
+    for target in [*(plan.convs if own_convs else []), *(plan.directs if p["direct"] != "library" else [])]:
         node = next(n for n in analysis.nodes if n["kind"] == "call_module" and n["target"] == target)
         indices = []
         for key in ("weight", "bias"):
@@ -648,10 +601,7 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
             if entry not in weights:
                 weights.append(entry)
             indices.append(weights.index(entry))
-        if target in library:
-            layouts[target] = tuple(indices)
-        else:
-            (convs if target in plan.convs else directs)[target] = tuple(indices)
+        (convs if target in plan.convs else directs)[target] = tuple(indices)
     folds = {}
     for node_name, (target, nd) in plan.bias_folds.items():
         entries = [("parameter", f"{target}.weight"), ("parameter", f"{target}.bias")]
@@ -695,10 +645,6 @@ def generate(task_source: str, analysis: TaskAnalysis, plan: AnchoredPlan, param
         direct_note=", ".join(directs) or "none",
         conv_params=repr(p["conv"] if own_convs else {}),
         directs=_pretty_dict(directs),
-        layouts=_pretty_dict(layouts),
-        layout_auto=p["layout"] == "auto",
-        layout_min_ms=LAYOUT_MIN_MS,
-        layout_note=", ".join(layouts) if layouts and p["layout"] == "auto" else "none",
         bias_folds=_pretty_dict(folds),
         direct_params=repr(p["direct"] if directs else {}),
         conv_source=conv.SOURCE.strip("\n") + ("\n\n" + depthwise.SOURCE.strip("\n") if directs else ""),
@@ -816,7 +762,6 @@ by one call of the region's own Triton kernel:
 Anchors kept as torch calls: {anchors}. Fusible ops left to torch: {left}.
 Float32 convolutions run by the own implicit-GEMM kernel in TF32x3: {conv_note}.
 Depthwise convolutions run by the own direct kernel: {direct_note}.
-Library convolutions run channels-last where their first call at a shape timed it faster: {layout_note}.
 """
 
 import math
@@ -849,78 +794,9 @@ DIRECT_PARAMS = {direct_params}
 #: Library convolutions that run without their bias, the region after each adding it (its operand
 #: ``<node>_bias``): graph node -> (module path, WEIGHTS' indices of its weight and bias, spatial dims).
 BIAS_FOLDS = {bias_folds}
-#: Library convolutions (module path -> WEIGHTS' indices of its weight and bias) that run
-#: channels-last at an input shape where their first call there timed that layout faster
-#: (LAYOUT_AUTO), in the reference's layout otherwise.
-LAYOUTS = {layouts}
-LAYOUT_AUTO = {layout_auto!r}
-#: A convolution faster than this (ms) keeps its layout untried: the copies in and out are launches
-#: of their own, and a network of many small convolutions is bound by its launches.
-LAYOUT_MIN_MS = {layout_min_ms!r}
-_CHANNELS_LAST = {{}}  # (module path, shape, dtype, device) -> the layout chosen
 
 
 {conv_source}
-
-
-def _timed(fn):
-    """The shortest of three timed calls of ``fn`` on the GPU after one untimed (cuDNN picks its plan)."""
-    fn()
-    best = math.inf
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
-
-
-def _timeable(x):
-    """Whether a first call on ``x`` may time the layouts: on a GPU, outside a CUDA graph's capture."""
-    return x.is_cuda and not torch.cuda.is_current_stream_capturing()
-
-
-def _last(x, w, bias, spec, fmt):
-    """The convolution on channels-last copies of its input and weight, its output contiguous."""
-    y = library_conv(x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt), bias, spec)
-    return y.contiguous()
-
-
-def layout_conv(x, w, bias, spec, key):
-    """The library's convolution of module ``key``, channels-last where its first call at this
-    input shape, on the GPU, took LAYOUT_MIN_MS or more in the reference's layout and channels-last
-    (the copies in and out included) timed at least 5% faster."""
-    if not LAYOUT_AUTO or x.dim() != w.dim() or x.dim() not in (4, 5):
-        return library_conv(x, w, bias, spec)
-    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-    entry = (key, tuple(x.shape), x.dtype, x.device)
-    if entry not in _CHANNELS_LAST:
-        if not _timeable(x):
-            return library_conv(x, w, bias, spec)
-        with torch.no_grad():
-            plain = _timed(lambda: library_conv(x, w, bias, spec))
-            last = _timed(lambda: _last(x, w, bias, spec, fmt)) if plain >= LAYOUT_MIN_MS else math.inf
-        _CHANNELS_LAST[entry] = last < 0.95 * plain
-    if _CHANNELS_LAST[entry]:
-        return _last(x, w, bias, spec, fmt)
-    return library_conv(x, w, bias, spec)
-
-
-def _channels_last_convs(root, graph, weights):
-    """Each one-argument call of a module of LAYOUTS becomes a call of ``layout_conv`` on the
-    module's weight and bias (extra inputs, as the regions' weights)."""
-    for node in list(graph.nodes):
-        if node.op != "call_module" or node.target not in LAYOUTS or len(node.args) != 1 or node.kwargs:
-            continue
-        w, b = LAYOUTS[node.target]
-        with graph.inserting_before(node):
-            args = (node.args[0], weights[w], None if b is None else weights[b])
-            settings = conv_spec(root.get_submodule(node.target))
-            call = graph.call_function(layout_conv, (*args, settings, node.target))
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
 
 
 def _own_convs(root, graph, weights):
@@ -959,10 +835,7 @@ def _fold_biases(root, graph, nodes, weights):
             raise RuntimeError(f"the traced graph has no one-argument call {{name}} of {{target}}")
         settings = conv_spec(root.get_submodule(target))
         with graph.inserting_before(node):
-            if target in LAYOUTS:
-                plain = graph.call_function(layout_conv, (node.args[0], weights[w], None, settings, target))
-            else:
-                plain = graph.call_function(library_conv, (node.args[0], weights[w], None, settings))
+            plain = graph.call_function(library_conv, (node.args[0], weights[w], None, settings))
             nodes[f"{{name}}_bias"] = graph.call_function(_per_channel, (weights[b], nd))
         node.replace_all_uses_with(plain)
         graph.erase_node(node)
@@ -1013,7 +886,6 @@ def _rewrite(graph, root):
             graph.erase_node(nodes[name])
         nodes[region["out"]] = fused  # a later region may read this one's value by its old name
     _own_convs(root, graph, weights)
-    _channels_last_convs(root, graph, weights)
     graph.lint()
     return graph
 
