@@ -318,7 +318,7 @@ def test_the_compiler_candidate_the_baseline_measured_faster_is_verified_and_ret
 def test_the_baseline_leaves_out_a_second_compile_mode_its_share_cannot_afford(tmp_path):
     """The baseline node on a 5 s budget (a 2 s share, already spent by the golden and the timing
     run): the optional max-autotune mode is not timed, and the budget says why. The first mode's
-    compile may take half the budget (``COMPILE_SHARE``)."""
+    compile may take its share of the budget (``COMPILE_SHARE``)."""
     from kernelcrew.agents.context import CrewContext
     from kernelcrew.agents.profiler import COMPILE_SHARE, OPTIONAL_MODE_MIN_S, profile_baseline
     from tests.conftest import FIXTURES
@@ -342,7 +342,7 @@ def test_the_baseline_leaves_out_a_second_compile_mode_its_share_cannot_afford(t
         update = profile_baseline(s, SimpleNamespace(context=CrewContext(executor=executor)))
     finally:
         executor.close()
-    assert [r.compile_within_s for r in asked] == [5.0 * COMPILE_SHARE] and COMPILE_SHARE == 0.5
+    assert [r.compile_within_s for r in asked] == [5.0 * COMPILE_SHARE]
     budget = update["budget"]
     assert budget["baseline_budget_s"] == 2.0 and budget["baseline_s"] > 2.0
     why = budget["baseline_skipped"]["compile:max-autotune-no-cudagraphs"]
