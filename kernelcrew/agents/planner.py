@@ -130,9 +130,12 @@ def _measured_no_faster(state: CrewState, strategy: Any) -> bool:
     """Whether ``strategy`` is a compiler strategy whose torch.compile mode the baseline already
     timed on the GPU at no faster than eager (beyond noise): its candidate is that same compile, so
     a step would spend a verification and a timing (about a minute on a large task) to learn it
-    again."""
+    again. Likewise where the baseline's compile of the reference failed or was stopped for time
+    (``compile_errors``): a step would compile the same module again, in any mode."""
     if strategy.source_kind != "compiler" or state.options.device == "cpu":
         return False
+    if state.baseline.compile_errors:
+        return True
     return _compile_beat_eager(state, dict(strategy.options).get("mode", "default")) is False
 
 

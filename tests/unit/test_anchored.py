@@ -455,3 +455,26 @@ def test_a_convolution_read_outside_the_region_keeps_its_bias():
     plan, reason = anchored.match(local_analysis(READ_OUTSIDE))
     assert plan is not None, reason
     assert plan.bias_folds == {}
+
+
+def test_a_plan_of_many_kernels_goes_after_the_library_and_compiler_candidates():
+    """A network of many small convolutions and elementwise regions: each region is a Triton
+    launch, so the plan is tried after CUDA graphs and torch.compile; a block of a few stays first."""
+    deep = task(
+        f"self.convs = nn.ModuleList([nn.Conv2d(4, 4, 1) for _ in range({anchored.MANY_KERNELS + 1})])",
+        """
+        for conv in self.convs:
+            x = torch.relu(conv(x)) * 0.5
+        return x
+        """,
+        "torch.randn(1, 4, 5, 5)",
+        "[]",
+    )
+    analysis = local_analysis(deep)
+    plan, reason = anchored.match(analysis)
+    assert plan is not None, reason
+    assert len(plan.regions) == anchored.MANY_KERNELS + 1 and anchored.rank(plan) == 2
+    names = [s.name for s, _ in applicable(analysis)]
+    assert names.index("anchored_fusion") > max(names.index("cuda_graphs"), names.index("torch_compile"))
+    few, _ = anchored.match(local_analysis(TASKS["conv_bias_relu_scale"][0]))
+    assert anchored.rank(few) == 0

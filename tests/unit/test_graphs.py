@@ -62,3 +62,14 @@ def test_the_planner_offers_the_graph_by_the_idle_time_the_baseline_measured(bas
         assert f"{1 - idle_fraction(state):.0%}" in _menu(state)[0].rationale
     else:
         assert names.index("cuda_graphs") > names.index("row_reduction")
+
+
+def test_a_compile_the_baseline_could_not_time_is_not_tried_again_as_a_step():
+    """The baseline's compile of the reference failed or was stopped at its share of the budget:
+    a compiler step would compile the same module again, in any mode."""
+    timed = {"eager_ms": 10.0, "compile_ms": {}, "compile_errors": {}}
+    names = [s.strategy for s in _menu(_state(**timed))]
+    assert "torch_compile" in names and "torch_compile_max_autotune" in names
+    stopped = {**timed, "compile_errors": {"default": "not timed: not compiled within 54 s"}}
+    names = [s.strategy for s in _menu(_state(**stopped))]
+    assert "torch_compile" not in names and "torch_compile_max_autotune" not in names

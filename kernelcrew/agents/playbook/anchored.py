@@ -143,6 +143,21 @@ def match(analysis: TaskAnalysis) -> tuple[AnchoredPlan | None, str]:
     )
 
 
+#: A plan of more kernels than this (regions and own convolutions) goes after the library and
+#: compiler candidates: each is a Triton launch whose host cost exceeds the ATen launches it
+#: replaces, and a network of many small kernels is bound by its launches. On an H100 the anchored
+#: candidate of ResNet101 (101 regions, 53 own convolutions) ran at 0.44x eager, where CUDA graphs
+#: of DenseNet201 (104 regions) ran 1.37x faster than eager (bench/results/kernelbench_h100.json);
+#: the sample's level-2 plans have at most a few kernels.
+MANY_KERNELS = 32
+
+
+def rank(plan: AnchoredPlan) -> int:
+    """Where the playbook tries this plan: with the own kernels, or after the library and compiler
+    candidates where it launches more than :data:`MANY_KERNELS` kernels."""
+    return 2 if len(plan.regions) + len(plan.convs) + len(plan.directs) > MANY_KERNELS else 0
+
+
 def _match(a: TaskAnalysis) -> AnchoredPlan:
     if a.traced_at_shapes:
         raise Unsupported(
