@@ -423,6 +423,31 @@ def test_the_fallback_at_the_end_replaces_only_a_slower_answer():
     assert "best" not in update and "no faster than the answer c1" in update["budget"]["fallback"]["skipped"]
 
 
+def _compiled_ahead(tmp_path, source: str, **fields):
+    """The benchmark of a pointwise task's reference in mode ``default``, its compile made ahead
+    (the overlap a GPU has by default) on this CPU."""
+    from kernelcrew.records import BenchmarkRequest
+
+    executor = LocalExecutor(Settings(data_dir=tmp_path / "data"))
+    assert executor.overlap_compile is None  # auto: on a GPU only
+    executor.overlap_compile = True
+    request = BenchmarkRequest(
+        task_source=source,
+        task_path="pointwise.py",
+        device="cpu",
+        precision="strict",
+        seed=3,
+        candidates={},
+        compile_modes=["default"],
+        quick=True,
+        **fields,
+    )
+    try:
+        return executor.benchmark(request)
+    finally:
+        executor.close()
+
+
 def test_the_reference_compiles_while_the_golden_is_made_and_its_timing_run_loads_that_build(
     tmp_path, monkeypatch
 ):
@@ -430,7 +455,6 @@ def test_the_reference_compiles_while_the_golden_is_made_and_its_timing_run_load
     build cache while the golden child works; the timing run then starts from that build."""
     import uuid
 
-    from kernelcrew.records import BenchmarkRequest
     from kernelcrew.tools import timing
     from kernelcrew.tools.build import reference_cache_dirs
     from tests.conftest import FIXTURES
@@ -445,23 +469,7 @@ def test_the_reference_compiles_while_the_golden_is_made_and_its_timing_run_load
         return real_benchmark(*args, **kwargs)
 
     monkeypatch.setattr(timing, "benchmark", benchmark)
-    executor = LocalExecutor(Settings(data_dir=tmp_path / "data"))
-    assert executor.overlap_compile is None  # auto: on a GPU only
-    executor.overlap_compile = True
-    request = BenchmarkRequest(
-        task_source=source,
-        task_path="pointwise.py",
-        device="cpu",
-        precision="strict",
-        seed=3,
-        candidates={},
-        compile_modes=["default"],
-        quick=True,
-    )
-    try:
-        result = executor.benchmark(request)
-    finally:
-        executor.close()
+    result = _compiled_ahead(tmp_path, source)
     assert result.failure is None and result.compile_s["default"] > 0
     assert result.phase_s["compile_ahead"] >= 0 and "golden" in result.phase_s
     assert found_at_start, "the timing run started with no build in the reference's cache"
@@ -473,27 +481,10 @@ def test_a_compile_past_its_limit_is_stopped_and_not_timed(tmp_path):
     the result says why, and eager is still timed."""
     import uuid
 
-    from kernelcrew.records import BenchmarkRequest
     from tests.conftest import FIXTURES
 
     source = (FIXTURES / "tasks" / "pointwise.py").read_text() + f"\n# {uuid.uuid4().hex}\n"
-    executor = LocalExecutor(Settings(data_dir=tmp_path / "data"))
-    executor.overlap_compile = True
-    request = BenchmarkRequest(
-        task_source=source,
-        task_path="pointwise.py",
-        device="cpu",
-        precision="strict",
-        seed=3,
-        candidates={},
-        compile_modes=["default"],
-        quick=True,
-        compile_within_s=0.01,  # no child starts that fast
-    )
-    try:
-        result = executor.benchmark(request)
-    finally:
-        executor.close()
+    result = _compiled_ahead(tmp_path, source, compile_within_s=0.01)  # no child starts that fast
     assert result.failure is None and "eager" in result.results
     assert "compile:default" not in result.results and "default" not in result.compile_s
     assert "not compiled within 0 s" in result.compile_errors["default"]
