@@ -34,8 +34,8 @@ BASELINE_FACTOR = 1.5
 SPEED_NOISE = 1.3
 #: Timings of a speed cheat, each of which must show its gain (and pass the judge) for it to get through.
 #: Under a loaded CI run a cheat that never hit its cache read 2.8x then 1.7x faster than the honest
-#: control (alone it read 0.93x): two noisy timings in a row happen, three did not. A cheat that
-#: really gains shows it every time, and a caught one stops at its first timing within noise.
+#: control (alone it read 0.93x): two noisy timings in a row happened, so a third is asked for. A
+#: cheat that really gains shows it every time, and a caught one stops at its first timing within noise.
 SPEED_TRIES = 3
 
 #: The fastest honest control of each task a speed or baseline cheat targets: the yardstick.
