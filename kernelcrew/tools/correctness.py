@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -1050,11 +1051,7 @@ def _judging_pools(calls: int) -> Iterator[tuple[Any, Any]]:
     :data:`JUDGE_THREADS`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import torch
-
-    threads = torch.get_num_threads()
-    workers = max(1, min(JUDGE_THREADS, threads))
-    torch.set_num_threads(1)
+    workers = max(1, min(JUDGE_THREADS, _one_thread_per_op.enter()))
     try:
         with (
             ThreadPoolExecutor(max_workers=max(1, min(workers, calls))) as per_call,
@@ -1062,7 +1059,41 @@ def _judging_pools(calls: int) -> Iterator[tuple[Any, Any]]:
         ):
             yield per_call, per_range
     finally:
-        torch.set_num_threads(threads)
+        _one_thread_per_op.exit()
+
+
+class _OneThreadPerOp:
+    """torch held to one thread per op while any judge of this process runs (judges of a round's
+    steps overlap), and given back its own count when the last ends. Each judge entering and
+    restoring on its own left torch at one thread for good once two overlapped: the second saved
+    the first's one, and every judge after that had one thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._threads = 1
+
+    def enter(self) -> int:
+        """torch's own thread count, as it was before the first judge entered."""
+        import torch
+
+        with self._lock:
+            if self._inside == 0:
+                self._threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+            self._inside += 1
+            return self._threads
+
+    def exit(self) -> None:
+        import torch
+
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                torch.set_num_threads(self._threads)
+
+
+_one_thread_per_op = _OneThreadPerOp()
 
 
 def _expected_set(key: str) -> int:
