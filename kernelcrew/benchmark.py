@@ -212,6 +212,7 @@ def run_bench(
     max_wall_s: float | None = None,
     compile_modes: str = "auto",
     quick: bool = False,
+    parallel: int = 0,
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run the suite (or its remaining tasks) and return the table written to ``out_dir``."""
@@ -240,7 +241,12 @@ def run_bench(
         "arch": info.arch,
         "clock": "cuda-event" if info.is_cuda else "cpu-wall (Triton interpreter: not GPU speedups)",
         "versions": hardware.versions(),
-        "settings": {"time_budget_s": time_budget_s, "max_iters": max_iters, "compile_modes": compile_modes},
+        "settings": {
+            "time_budget_s": time_budget_s,
+            "max_iters": max_iters,
+            "compile_modes": compile_modes,
+            "parallel": parallel,
+        },
         **({"peaks": peaks} if peaks else {}),
     }
     started = time.monotonic()
@@ -262,6 +268,7 @@ def run_bench(
                     out=out_dir / "runs" / path.stem,
                     compile_modes=compile_modes,
                     quick=quick,
+                    parallel=parallel,
                 ),
                 console=out,
             )

@@ -301,6 +301,14 @@ def optimize(
     replay: Annotated[
         Path | None, typer.Option(help="Play the LLM calls a --record folder holds (the replay backend).")
     ] = None,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=64,
+            help="Steps evaluated side by side, one per GPU (0: every GPU visible; 1 on a CPU).",
+        ),
+    ] = 0,
 ) -> None:
     """Run the crew on a task and write best.py, report.md and report.json."""
     from kernelcrew.agents.llm import BACKENDS, LLMError
@@ -330,6 +338,7 @@ def optimize(
             quick=quick,
             use_kb=not no_kb,
             record=record,
+            parallel=parallel,
         )
         settings = None
         if replay is not None:
@@ -583,6 +592,9 @@ def bench(
         str, typer.Option(help="torch.compile baselines: auto, none, or a list.")
     ] = "auto",
     quick: Annotated[bool, typer.Option(help="Few timing repetitions (fast, noisy).")] = False,
+    parallel: Annotated[
+        int, typer.Option(min=0, max=64, help="Steps side by side, one per GPU (0: every GPU visible).")
+    ] = 0,
 ) -> None:
     """Run optimize on every task of a suite; a table (JSON + markdown) that resumes across shards."""
     from kernelcrew.benchmark import markdown, run_bench
@@ -599,6 +611,7 @@ def bench(
             max_wall_s=max_wall,
             compile_modes=compile_modes,
             quick=quick,
+            parallel=parallel,
             console=console,
         )
     except TaskError as exc:

@@ -57,6 +57,13 @@ class ExecutorRequest(Record):
     device: Literal["cuda", "cpu"] = Field(description="Where the operation runs.")
     precision: str = Field(description="The precision policy: strict or relaxed.")
     seed: int = Field(strict=True, description="The job's secret seed: one golden per seed.")
+    within_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the operation may take (what the run's time budget leaves a step): its "
+        "children are stopped past them. The golden, made once for every later call, is not. None: "
+        "the sandbox's own limits.",
+    )
 
 
 class VerifyRequest(ExecutorRequest):

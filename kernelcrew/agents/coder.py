@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
@@ -200,3 +200,10 @@ def _kb_fetch(ctx: CrewContext) -> Any:
             return None
 
     return fetch
+
+
+def route_after_code(state: CrewState) -> Literal["verify", "decide"]:
+    """A draft goes to the verifier; a step the coder could not write is recorded by decide."""
+    if state.draft is None:
+        raise ValueError("code produced no draft")
+    return "decide" if state.draft.stage == "code" else "verify"

@@ -45,7 +45,7 @@ from kernelcrew.agents.planner import (
 )
 from kernelcrew.agents.profiler import NCU_COST, diagnose, with_ncu
 from kernelcrew.agents.prompts.sections import ncu_text
-from kernelcrew.agents.state import Candidate, CrewState
+from kernelcrew.agents.state import Candidate, CrewState, apply_update, merge_updates
 from kernelcrew.records import FinalTiming, Report, VerifyRequest
 
 KIND_RANK = search.KIND_RANK
@@ -81,10 +81,26 @@ def at_parity(new: Candidate, runner_up: Candidate | None) -> bool:
 
 
 def decide(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
-    """Record the finished step, update the best, and set ``stop_reason`` when the run is done."""
+    """Record the finished step (a round's steps one after another, in plan order), update the
+    best, and set ``stop_reason`` when the run is done."""
+    if not state.evaluated:
+        return _decide_step(state, runtime)
+    update: dict[str, Any] = {"evaluated": []}
+    current = replace(state, evaluated=[])
+    for done in state.evaluated:
+        current = replace(current, plan=done["plan"], draft=done["draft"], repairs=done["repairs"])
+        step = _decide_step(current, runtime)
+        # the round's first step number: its records share the round's seconds (the first holds them)
+        step["iterations"] = [{**r, "round": state.steps_used + 1} for r in step.get("iterations", [])]
+        current = apply_update(current, step)
+        update = merge_updates(update, step)
+    return update
+
+
+def _decide_step(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     ctx = runtime.context
     opts = state.options
-    update: dict[str, Any] = {"draft": None, "plan": None, "repair": False}
+    update: dict[str, Any] = {"draft": None, "plan": None, "repair": False, "step_ends_at": 0.0}
     steps = state.steps_used
     best = state.best
     draft = state.draft

@@ -1,5 +1,8 @@
 """The crew's workflow: profile_baseline -> plan -> code -> verify -> profile -> decide -> plan | finalize.
 
+With ``Options.parallel`` > 1 a plan of several steps goes to evaluate_round instead, which runs
+each step's code -> verify -> profile side by side (:mod:`kernelcrew.agents.rounds`) before decide.
+
 When the baseline measured torch.compile faster than eager and a first step, the compiler's
 candidate and the final timing all fit the budget, the steps come first (each must fit with the
 fallback's time kept) and the run ends through fall_back unless a step beat the compile. Otherwise
@@ -18,13 +21,12 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
-from kernelcrew.agents.coder import code
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.decide import decide, fall_back, finish, route_after_decide
 from kernelcrew.agents.planner import fallback_step, plan, step_before_fallback
-from kernelcrew.agents.profiler import profile, profile_baseline
+from kernelcrew.agents.profiler import profile_baseline
+from kernelcrew.agents.rounds import add_step, evaluate_round
 from kernelcrew.agents.state import CrewState
-from kernelcrew.agents.verifier import route_after_verify, verify
 
 #: The state's own types, allowed when a checkpoint is read back (nothing else is unpickled).
 STATE_TYPES = [
@@ -37,16 +39,12 @@ STATE_TYPES = [
 ]
 
 
-def route_after_plan(state: CrewState) -> Literal["code", "decide"]:
-    """A step goes to the coder; no step (none left, the user said stop, a failed plan) to decide."""
-    return "code" if state.plan is not None else "decide"
-
-
-def route_after_code(state: CrewState) -> Literal["verify", "decide"]:
-    """A draft goes to the verifier; a step the coder could not write is recorded by decide."""
-    if state.draft is None:
-        raise ValueError("code produced no draft")
-    return "decide" if state.draft.stage == "code" else "verify"
+def route_after_plan(state: CrewState) -> Literal["code", "evaluate_round", "decide"]:
+    """A step goes to the coder, a round of several to evaluate_round; no step (none left, the user
+    said stop, a failed plan) to decide."""
+    if state.plan is None:
+        return "decide"
+    return "evaluate_round" if state.batch else "code"
 
 
 def route_after_baseline(state: CrewState) -> Literal["fall_back", "plan"]:
@@ -66,19 +64,16 @@ def build_graph() -> StateGraph:
     builder = StateGraph(CrewState, context_schema=CrewContext)
     builder.add_node("profile_baseline", profile_baseline)
     builder.add_node("plan", plan)
-    builder.add_node("code", code)
-    builder.add_node("verify", verify)
-    builder.add_node("profile", profile)
+    builder.add_node("evaluate_round", evaluate_round)
     builder.add_node("decide", decide)
     builder.add_node("fall_back", fall_back)
     builder.add_node("finalize", finish)
+    add_step(builder, "decide")
 
     builder.add_edge(START, "profile_baseline")
     builder.add_conditional_edges("profile_baseline", route_after_baseline)
     builder.add_conditional_edges("plan", route_after_plan)
-    builder.add_conditional_edges("code", route_after_code)
-    builder.add_conditional_edges("verify", route_after_verify)
-    builder.add_edge("profile", "decide")
+    builder.add_edge("evaluate_round", "decide")
     builder.add_conditional_edges("decide", route_after_decide)
     builder.add_conditional_edges("fall_back", route_after_fall_back)
     builder.add_edge("finalize", END)

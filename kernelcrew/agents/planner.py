@@ -252,8 +252,37 @@ def plan(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         return {**update, "plan": None, "stop_reason": _budget_reason(state, step)}
     if step is None:
         return {**update, "plan": None, "stop_reason": "no strategy left to try"}
-    ctx.emit("plan", strategy=step.strategy, params=step.params, rationale=step.rationale, source=step.source)
-    return {**update, "plan": step}
+    batch = _round_steps(state, step, prefs)
+    for k, planned in enumerate((step, *batch)):
+        ctx.emit(
+            "plan",
+            step=state.steps_used + 1 + k,  # its candidate's number (c<step>)
+            strategy=planned.strategy,
+            params=planned.params,
+            rationale=planned.rationale,
+            source=planned.source,
+        )
+    return {**update, "plan": step, "batch": batch, "step_ends_at": step_end(state)}
+
+
+def _round_steps(state: CrewState, first: PlanStep, prefs: dict[str, Any]) -> list[PlanStep]:
+    """The steps evaluated side by side with ``first`` (``Options.parallel`` - 1 at most, within
+    ``max_iters``): the search engine's playbook proposals as if each step before had been tried
+    (its selection coin of that step number), distinct, each fitting the budget on its own (they
+    run at the same time). With a model planning, the round's other steps are the playbook's: the
+    model's step and the engine's operators are evaluated together, and only the model's step goes
+    back to the model for repairs, so its calls stay one at a time (and a replay replays them)."""
+    room = min(state.options.parallel, state.options.max_iters - state.steps_used) - 1
+    keys = [step_key(first.strategy, first.params)]
+    batch: list[PlanStep] = []
+    for k in range(1, room + 1):
+        hypothetical = replace(state, tried=[*state.tried, *keys], steps_used=state.steps_used + k)
+        step = _plan_with_playbook(hypothetical, prefs)
+        if step is None or step_key(step.strategy, step.params) in keys or not _fits_budget(state, step):
+            break
+        batch.append(step)
+        keys.append(step_key(step.strategy, step.params))
+    return batch
 
 
 #: The reference (eager, or a torch.compile mode the baseline timed) at this fraction of its speed
@@ -581,6 +610,27 @@ def _seconds_left(state: CrewState) -> float:
     the fallback's."""
     used = time.time() - state.started_at
     return state.options.time_budget_s - used - final_reserve_s(state) - fallback_seconds(state)
+
+
+#: How far past its budget a run without an answer may go for its first step, as a multiple of the
+#: budget: such a step starts however heavy the task (the run has nothing else to give), but it is
+#: stopped there. On the H200 a torch.compile max-autotune step of ResNet101 ran 414 s of a 90 s
+#: budget; the longest first step that gave an answer ended its run at 1.8 times the budget.
+FIRST_STEP_CAP = 2.0
+
+
+def step_end(state: CrewState) -> float:
+    """When (epoch seconds) the next step's verification and timing are stopped
+    (``CrewState.step_ends_at``): where the run would pass its tolerance (``GRACE`` past the budget)
+    with the final timing's and the fallback's shares kept; for the first step of a run without an
+    answer, :data:`FIRST_STEP_CAP` times the budget. 0 (no bound) for a run with no start time."""
+    if not state.started_at:
+        return 0.0
+    budget = state.options.time_budget_s
+    planned = any(not r.get("fallback") for r in state.iterations)
+    insured = state.best is not None or fallback_seconds(state) > 0
+    end = budget * (1 + GRACE) if planned or insured else budget * FIRST_STEP_CAP
+    return state.started_at + end - final_reserve_s(state) - fallback_seconds(state)
 
 
 def first_step_allowance(state: CrewState) -> float:

@@ -11,7 +11,7 @@ from langgraph.runtime import Runtime
 
 from kernelcrew.agents.context import CrewContext
 from kernelcrew.agents.diagnosis import assess, render
-from kernelcrew.agents.state import Candidate, CrewState
+from kernelcrew.agents.state import Candidate, CrewState, step_within_s
 from kernelcrew.config import get_settings
 from kernelcrew.records import (
     Baseline,
@@ -300,7 +300,12 @@ def with_ncu(state: CrewState, ctx: CrewContext, cand: Candidate) -> Candidate:
     clock = time.monotonic()
     result = ctx.executor.profile(
         ctx.request(
-            ProfileRequest, state, candidate_source=cand.source, candidate_path=f"{cand.id}.py", ncu=True
+            ProfileRequest,
+            state,
+            candidate_source=cand.source,
+            candidate_path=f"{cand.id}.py",
+            ncu=True,
+            within_s=step_within_s(state),
         )
     )
     profiled = replace(
@@ -363,6 +368,7 @@ def _benchmark(state: CrewState, ctx: CrewContext, cand: Candidate) -> Benchmark
             candidates={cand.id: cand.source},
             compile_modes=[],
             quick=state.options.quick,
+            within_s=step_within_s(state),
         )
     )
 

@@ -51,6 +51,20 @@ class OptimizeRequest:
     """Read the knowledge base's hits and record the run's win (``--no-kb``: neither)."""
     record: Path | None = None
     """Write a transcript of every LLM call to this folder (``--record``; replayed by ``--replay``)."""
+    parallel: int = 0
+    """Steps evaluated side by side per round: 0 for one per GPU this machine shows (one on a CPU);
+    with an injected executor (the service's workers), 0 means one."""
+
+
+def round_size(executor: Any, device: str, requested: int) -> int:
+    """Steps a round evaluates side by side: ``requested`` (0: as many as the executor can run
+    at once), never more than that, since the budget counts a round's steps as concurrent."""
+    if requested == 1:
+        return 1
+    capacity = getattr(executor, "capacity", None)
+    most = capacity(device) if capacity is not None else None
+    wanted = requested or most or 1
+    return max(1, min(wanted, most) if most else wanted)
 
 
 def new_run_id() -> str:
@@ -104,7 +118,7 @@ def run_optimize(
     """
     from kernelcrew.agents.llm import UsageMeter
     from kernelcrew.agents.playbook import analyze
-    from kernelcrew.tools.executor import LocalExecutor
+    from kernelcrew.tools.executor import LocalExecutor, slots_for
 
     s = settings or get_settings()
     out = console or Console(stderr=True)
@@ -133,8 +147,12 @@ def run_optimize(
     meter = UsageMeter.from_dict(snapshot.values.get("usage") or {}) if snapshot.values else UsageMeter()
     if kb is None and req.use_kb:
         kb = open_kb(s)
+    device = snapshot.values["options"].device if snapshot.values else req.device or "cpu"
+    if executor is None:
+        executor = LocalExecutor(s, slots=slots_for(device, req.parallel or None))
+    parallel = round_size(executor, device, req.parallel)
     ctx = CrewContext(
-        executor=executor or LocalExecutor(s),
+        executor=executor,
         chat=chat,
         meter=meter,
         out_dir=req.out or run_dir,
@@ -149,6 +167,7 @@ def run_optimize(
     try:
         if not snapshot.values:
             state = _new_state(req, backend, s)
+            state.options.parallel = parallel
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "task.py").write_text(state.task_source)
             out.print(f"run [bold]{run_id}[/] on {state.options.device} with the {backend} backend")
@@ -157,7 +176,10 @@ def run_optimize(
             values = snapshot.values
             if snapshot.next:
                 out.print(f"resuming run [bold]{run_id}[/] at {', '.join(snapshot.next)}")
-                resumed: dict[str, Any] = {"llm_failure": ""}  # a new process tries the provider again
+                resumed: dict[str, Any] = {
+                    "llm_failure": "",  # a new process tries the provider again
+                    "options": replace(values["options"], parallel=parallel),  # this process's GPUs
+                }
                 if req.messages:
                     resumed["user_messages"] = [*values["user_messages"], *req.messages]
                 graph.update_state(config, resumed)
@@ -168,7 +190,10 @@ def run_optimize(
                 # the time spent so far stays spent; the continuation gets the request's time budget
                 spent = _spent_s(values)
                 new_opts = replace(
-                    opts, max_iters=values["steps_used"] + extra, time_budget_s=spent + req.time_budget_s
+                    opts,
+                    max_iters=values["steps_used"] + extra,
+                    time_budget_s=spent + req.time_budget_s,
+                    parallel=parallel,
                 )
                 out.print(
                     f"continuing finished run [bold]{run_id}[/] for {extra} more steps "
@@ -376,5 +401,7 @@ def _printer(console: Console) -> Callable[[dict[str, Any]], None]:
             console.print(f"[yellow]{kind}:[/] {event.get('message')}")
         elif kind == "node":
             console.print(f"{event['node']}: {event['message']}")
+        elif kind == "round":
+            console.print(f"round: {event['steps']} steps side by side ({', '.join(event['strategies'])})")
 
     return show

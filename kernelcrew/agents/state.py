@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import operator
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+import time
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, get_type_hints
 
 from pydantic import BaseModel, Field
 
@@ -58,6 +60,8 @@ class Options:
     (``--compile-modes auto`` on a GPU: max-autotune-no-cudagraphs)."""
     quick: bool = False
     baseline_share: float = BASELINE_SHARE
+    parallel: int = 1
+    """Steps evaluated side by side per round (one per GPU or worker; 1: one step at a time)."""
 
 
 @dataclass
@@ -116,6 +120,13 @@ class CrewState:
     kb_hits: list[dict[str, Any]] | None = None
     """The knowledge base's top hits for this task and device (None: not asked yet)."""
     plan: PlanStep | None = None
+    batch: list[PlanStep] = field(default_factory=list)
+    """The round's other steps, evaluated side by side with ``plan`` (``Options.parallel`` > 1)."""
+    step_ends_at: float = 0.0
+    """When (epoch seconds) the current step's verification and timing are stopped, set with its
+    plan (``planner.step_end``); 0 outside a step."""
+    evaluated: list[dict[str, Any]] = field(default_factory=list)
+    """The round's finished steps for decide, in plan order: ``plan``, ``draft`` and ``repairs``."""
     draft: Candidate | None = None
     """The candidate of the current step, between code, verify and profile."""
     repairs: int = 0
@@ -163,3 +174,36 @@ class CrewState:
             self.baseline = Baseline.model_validate(self.baseline)
         if isinstance(self.report, dict):
             self.report = Report.model_validate(self.report) if self.report else None
+
+
+@functools.cache
+def _reduced_fields() -> frozenset[str]:
+    """The fields the graph grows instead of replacing (``Annotated[..., operator.add]``)."""
+    hints = get_type_hints(CrewState, include_extras=True)
+    return frozenset(
+        name for name, hint in hints.items() if operator.add in getattr(hint, "__metadata__", ())
+    )
+
+
+def apply_update(state: CrewState, update: dict[str, Any]) -> CrewState:
+    """``state`` after a node's ``update``, as the graph applies it (list fields with a reducer
+    grow, the others are replaced): for nodes run one after another inside a node."""
+    reduced = _reduced_fields()
+    return replace(state, **{k: getattr(state, k) + v if k in reduced else v for k, v in update.items()})
+
+
+def merge_updates(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """One update with the effect of ``first`` followed by ``then``."""
+    reduced = _reduced_fields()
+    merged = dict(first)
+    for k, v in then.items():
+        merged[k] = merged[k] + v if k in reduced and k in merged else v
+    return merged
+
+
+def step_within_s(state: CrewState) -> float | None:
+    """Seconds the current step's executor calls may take (their ``within_s``): what is left until
+    ``step_ends_at``, at least one (the call fails at once, saying why); None outside a step."""
+    if state.plan is None or not state.step_ends_at:
+        return None
+    return max(1.0, state.step_ends_at - time.time())

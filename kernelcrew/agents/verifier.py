@@ -8,7 +8,7 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 
 from kernelcrew.agents.context import CrewContext
-from kernelcrew.agents.state import CrewState
+from kernelcrew.agents.state import CrewState, step_within_s
 from kernelcrew.records import VerifyRequest
 from kernelcrew.task import TaskError, check_source
 from kernelcrew.tools.packaging import unpack
@@ -31,7 +31,12 @@ def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
         # profile here too cost a compiled candidate about 20 s on a GPU.
         verdict = ctx.executor.verify(
             ctx.request(
-                VerifyRequest, state, candidate_source=draft.source, candidate_path=path, profile_kind=False
+                VerifyRequest,
+                state,
+                candidate_source=draft.source,
+                candidate_path=path,
+                profile_kind=False,
+                within_s=step_within_s(state),
             )
         )
         checked = replace(
@@ -49,7 +54,9 @@ def verify(state: CrewState, runtime: Runtime[CrewContext]) -> dict[str, Any]:
     )
     failed = checked.verdict != "pass"
     sample = failed and bool(checked.samples)  # the next sample of the step first: not a repair
-    llm = ctx.chat is not None and not state.llm_failure
+    # a round's playbook steps are not the model's to repair: the model's calls stay one at a time
+    own = state.plan is None or state.plan.source != "playbook"
+    llm = ctx.chat is not None and not state.llm_failure and own
     repair = failed and not sample and state.repairs < state.options.max_repairs and llm
     return {"draft": checked, "repair": sample or repair, "repairs": state.repairs + int(repair)}
 

@@ -47,6 +47,13 @@ class JobOptions(BaseModel):
         "auto", max_length=200, description="auto, none, or a comma list of torch.compile modes."
     )
     quick: bool = False
+    parallel: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Steps evaluated side by side per round, one per worker of the job's GPU model "
+        "(no more than the workers serving it when the job starts).",
+    )
     seed: int | None = None
     timing: bool = True
     use_kb: bool = False

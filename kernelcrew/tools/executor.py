@@ -12,11 +12,15 @@ against the same inputs and reference outputs without recomputing them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
+import queue
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from kernelcrew.config import Settings, get_settings
@@ -66,6 +70,46 @@ class Executor(Protocol):
     def close(self) -> None:
         """Release what the executor holds (goldens, connections)."""
         ...
+
+
+def branch(executor: Executor, index: int) -> Executor:
+    """The executor a crew's ``index``-th evaluation side by side with others calls from its own
+    thread: the executor's ``branch`` where it has one (a remote executor's calls from several threads
+    need one connection each), else the executor itself (``LocalExecutor`` is safe across threads)."""
+    make = getattr(executor, "branch", None)
+    return executor if make is None or index == 0 else make(index)
+
+
+def slots_for(device: str, requested: int | None = None) -> list[str | None]:
+    """Evaluation slots for a :class:`LocalExecutor`: on a GPU device one per GPU the caller sees
+    (``CUDA_VISIBLE_DEVICES`` values for the children, in the caller's numbering), at most
+    ``requested``; on a CPU ``requested`` slots that change nothing (the children share the cores).
+    One slot, whatever was asked, where only one GPU is visible."""
+    import os
+
+    if device == "cpu":
+        return [None] * max(1, requested or 1)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        names = [v.strip() for v in visible.split(",") if v.strip()]
+    else:
+        import torch
+
+        names = [str(i) for i in range(torch.cuda.device_count())]
+    names = names[: requested or len(names)]
+    return list(names) if len(names) > 1 else [None]
+
+
+def split_cores(parts: int) -> list[frozenset[int] | None]:
+    """This process's cores in ``parts`` equal runs, one per slot; None each (no pinning) for one
+    slot, or where there are fewer than two cores a part."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if parts < 2 or len(cores) < 2 * parts:
+        return [None] * parts
+    size = len(cores) // parts
+    return [frozenset(cores[i * size : (i + 1) * size]) for i in range(parts)]
 
 
 def _key(request: ExecutorRequest) -> tuple[str, str, str, int]:
@@ -119,20 +163,59 @@ class LocalExecutor:
 
     ``max_goldens`` bounds the goldens kept (least recently used first out), for a long-lived
     process such as a GPU worker that serves many jobs; None keeps every golden until ``close``.
+
+    ``slots`` are where calls run (:class:`~kernelcrew.tools.sandbox.Slot`): one ``CUDA_VISIBLE_DEVICES``
+    value per GPU, or None for the caller's. Calls from several threads (a crew's round) each hold
+    a slot for their whole duration, so no two share a GPU (a timing never overlaps another
+    evaluation on its device), and with n slots each child gets 1/n of the children's memory.
+    Calls past the slots wait for one. Goldens are made once per key, whichever thread asks first.
     """
 
-    def __init__(self, settings: Settings | None = None, *, max_goldens: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        max_goldens: int | None = None,
+        slots: list[str | None] | None = None,
+    ) -> None:
         if max_goldens is not None and max_goldens < 1:
             raise ValueError(f"max_goldens must be at least 1, got {max_goldens}")
         self.settings = settings or get_settings()
         self.max_goldens = max_goldens
+        self.slots = list(slots or [None])
+        self._free: queue.SimpleQueue[sandbox.Slot] = queue.SimpleQueue()
+        for visible, cpus in zip(self.slots, split_cores(len(self.slots)), strict=True):
+            self._free.put(sandbox.Slot(visible, 1.0 / len(self.slots), cpus))
+        self._golden_lock = threading.Lock()
         #: Whether the reference's torch.compile modes are compiled while the golden is made; None:
         #: on a GPU only (there the golden works the device and the compile the CPU's cores; on a
         #: CPU both compete for the same cores, and on two cores that was slower).
         self.overlap_compile: bool | None = None
         self._goldens: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
 
+    def capacity(self, device: str) -> int:
+        """How many calls can run at once: one per slot."""
+        return len(self.slots)
+
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[None]:
+        """Hold a free slot for the block (a slot this thread holds already is kept)."""
+        if sandbox.current_slot() is not None:
+            yield
+            return
+        slot = self._free.get()
+        try:
+            with sandbox.in_slot(slot):
+                yield
+        finally:
+            self._free.put(slot)
+
     def golden(self, request: ExecutorRequest) -> Any:
+        # made whole however little time the call that needs it first has: every later call needs it
+        with self._slot(), self._golden_lock, sandbox.within(None):
+            return self._golden(request)
+
+    def _golden(self, request: ExecutorRequest) -> Any:
         from kernelcrew.tools.correctness import make_golden
 
         key = _key(request)
@@ -160,6 +243,10 @@ class LocalExecutor:
         return self._goldens[key]
 
     def verify(self, request: VerifyRequest) -> Verdict:
+        with self._slot(), sandbox.within(request.within_s):
+            return self._verify(request)
+
+    def _verify(self, request: VerifyRequest) -> Verdict:
         from kernelcrew.tools.correctness import verify
 
         golden = self.golden(request)
@@ -175,6 +262,10 @@ class LocalExecutor:
         )
 
     def benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:
+        with self._slot(), sandbox.within(request.within_s):
+            return self._benchmark(request)
+
+    def _benchmark(self, request: BenchmarkRequest) -> BenchmarkResult:
         from kernelcrew.tools.timing import benchmark
 
         lap = Laps()
@@ -182,8 +273,10 @@ class LocalExecutor:
         overlap = self.overlap_compile if self.overlap_compile is not None else request.device != "cpu"
         if overlap and request.compile_modes and _key(request) not in self._goldens:
             # the compiles' CPU work overlaps the golden's; the timing run below loads their build
-            warming = threading.Thread(
-                target=compile_ahead, args=(request, self.settings, timed_out), daemon=True
+            warming = threading.Thread(  # in this thread's slot
+                target=contextvars.copy_context().run,
+                args=(compile_ahead, request, self.settings, timed_out),
+                daemon=True,
             )
             warming.start()
         try:
@@ -220,6 +313,10 @@ class LocalExecutor:
     def profile(self, request: ProfileRequest) -> ProfileResult:
         """The reference's hotspots and work (no ``candidate_source``) or a candidate's, the device's
         peaks and the task's floor, and Nsight Compute's records when ``ncu`` is asked for."""
+        with self._slot(), sandbox.within(request.within_s):
+            return self._profile(request)
+
+    def _profile(self, request: ProfileRequest) -> ProfileResult:
         from kernelcrew.tools import ncu, roofline
         from kernelcrew.tools.hardware import detect
 

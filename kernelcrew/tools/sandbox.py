@@ -38,6 +38,7 @@ A segfault, a CUDA error, an infinite loop, ``sys.exit`` or ``os._exit`` inside 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import errno
 import functools
@@ -178,6 +179,62 @@ CPU_LIMIT_GRACE_S = 5
 MACHINE_MEMORY_SHARE = 0.8
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where the children a thread starts run when several evaluations share this process: the
+    GPUs they see (a ``CUDA_VISIBLE_DEVICES`` value; None: the caller's), the share of the
+    children's memory limit each gets (1/n for n evaluations side by side) and the cores the thread
+    and its children run on (None: the caller's)."""
+
+    visible_devices: str | None = None
+    memory_share: float = 1.0
+    cpus: frozenset[int] | None = None
+
+
+_slot: contextvars.ContextVar[Slot | None] = contextvars.ContextVar("kernelcrew_sandbox_slot", default=None)
+
+
+@contextlib.contextmanager
+def in_slot(slot: Slot) -> Iterator[None]:
+    """Children started by this thread (and by what it runs in ``contextvars.copy_context()``)
+    inside the block run in ``slot``. With ``slot.cpus`` the thread itself runs on those cores
+    for the block: what it starts (children, their compilers, its own thread pools) inherits them,
+    so one slot's compiles never take the cores another slot's timing launches kernels from."""
+    token = _slot.set(slot)
+    before = os.sched_getaffinity(0) if slot.cpus else None
+    try:
+        if slot.cpus:
+            os.sched_setaffinity(0, slot.cpus)  # this thread only
+        yield
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
+        _slot.reset(token)
+
+
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "kernelcrew_sandbox_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def within(seconds: float | None) -> Iterator[None]:
+    """Children this thread starts inside the block end within ``seconds`` from now, together: each
+    one's wall limit is cut to what is left (at least one second), and one stopped at that point
+    says so. None lifts an outer block's bound for the block (work that must finish, such as a
+    golden a later call needs too)."""
+    token = _deadline.set(None if seconds is None else time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def current_slot() -> Slot | None:
+    """The slot of this thread's children (None: none set, the caller's GPUs and all the memory)."""
+    return _slot.get()
+
+
 @functools.cache
 def machine_memory_limit(meminfo: Path = Path("/proc/meminfo")) -> int:
     """A child's default memory limit: :data:`MACHINE_MEMORY_SHARE` of the machine's memory (at least
@@ -233,7 +290,10 @@ class SandboxLimits:
             wall_s=s.sandbox_timeout_s,
             cpu_s=s.sandbox_cpu_s,
             memory_bytes=s.sandbox_memory_mb * 1024**2
-            or max(MIN_CHILD_MEMORY, machine_memory_limit() - kept_bytes()),
+            or max(
+                MIN_CHILD_MEMORY,
+                int((machine_memory_limit() - kept_bytes()) * (current_slot() or Slot()).memory_share),
+            ),
             max_procs=s.sandbox_max_procs,
             max_open_files=s.sandbox_max_open_files,
             max_output_bytes=s.sandbox_max_output_bytes,
@@ -382,6 +442,9 @@ def network_isolation() -> tuple[bool, str]:
 
 def _base_env(workdir: Path) -> dict[str, str]:
     env = {k: os.environ[k] for k in ENV_ALLOW if k in os.environ}
+    slot = current_slot()
+    if slot is not None and slot.visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = slot.visible_devices
     exe_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([exe_dir, "/usr/local/cuda/bin", "/usr/local/bin", "/usr/bin", "/bin"])
     env["HOME"] = str(workdir)
@@ -1260,6 +1323,7 @@ class _Child:
     box_dir: int | None = None  # the box's tmpfs at child_dir, held open by the parent
     disk_full: bool = False
     keep: tuple[str, ...] = ()  # files left in the box for the caller (:class:`BoxFiles`)
+    cut: bool = False  # its wall limit is what its caller had left (:func:`within`)
 
     @classmethod
     def launch(
@@ -1277,6 +1341,10 @@ class _Child:
     ) -> _Child | SandboxResult:
         s = settings or get_settings()
         limits = limits or SandboxLimits.from_settings(s)
+        deadline = _deadline.get()
+        cut = deadline is not None and deadline - time.monotonic() < limits.wall_s
+        if cut:
+            limits = replace(limits, wall_s=round(max(1.0, deadline - time.monotonic()), 1))
         boxed = s.sandbox == "bwrap"
         if boxed:
             ready, box_reason = bwrap_status(s)
@@ -1452,6 +1520,7 @@ class _Child:
             started=started,
             reply_read=reply_read,
             box_dir=box_dir,
+            cut=cut,
         )
 
     def over_limit(self) -> str | None:
@@ -1520,7 +1589,9 @@ class _Child:
             kept=kept,
         )
         if status == "timeout":
-            result.message = f"timed out after {limits.wall_s:g} s wall-clock; process group killed"
+            result.message = f"timed out after {limits.wall_s:g} s wall-clock; process group killed" + (
+                " (the time its caller had left)" if self.cut else ""
+            )
         elif status == "output_limit":
             result.message = f"printed more than {limits.max_output_bytes} bytes; process group killed"
         elif self.boxed and returncode == 125 and self.cgroups.procs and not self.output.total:

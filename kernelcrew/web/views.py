@@ -7,6 +7,7 @@ timings, speed of light, Nsight Compute, the best source) comes from the report.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -155,6 +156,14 @@ class Progress:
         return bests[-1] if bests else None
 
 
+def _of_candidate(progress: Progress, data: dict[str, Any]) -> Step:
+    """The step of the event's candidate (``c3``, its repair ``c3r1`` or sample ``c3s2``: step 3):
+    a round's steps run side by side, so their events interleave. Else the last one planned."""
+    found = re.match(r"c(\d+)", str(data.get("candidate") or ""))
+    number = int(found.group(1)) if found else None
+    return next((s for s in reversed(progress.steps) if s.number == number), None) or _current(progress)
+
+
 def _current(progress: Progress, strategy: str = "") -> Step:
     """The step an event belongs to: the last one planned (a start kernel's check is step 0)."""
     if not progress.steps:
@@ -163,7 +172,7 @@ def _current(progress: Progress, strategy: str = "") -> Step:
 
 
 def _on_verify(progress: Progress, data: dict[str, Any]) -> None:
-    step = _current(progress)
+    step = _of_candidate(progress, data)
     ok = data.get("verdict") == "pass"
     step.stages.append(Stage("verify", "ok" if ok else "fail", _said(data.get("stage"), data.get("message"))))
     step.verdict = data.get("verdict")
@@ -172,7 +181,7 @@ def _on_verify(progress: Progress, data: dict[str, Any]) -> None:
 
 
 def _on_timing(progress: Progress, data: dict[str, Any]) -> None:
-    step = _current(progress)
+    step = _of_candidate(progress, data)
     if data.get("verdict") == "fail":
         step.stages.append(Stage("profile", "fail", _said(data.get("message"))))
         step.verdict, step.failure = "fail", _said(data.get("message"))
@@ -198,7 +207,7 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
     elif kind == "plan":
         progress.steps.append(
             Step(
-                len([s for s in progress.steps if s.number > 0]) + 1,
+                data.get("step") or len([s for s in progress.steps if s.number > 0]) + 1,
                 str(data.get("strategy")),
                 params=data.get("params") or {},
                 rationale=str(data.get("rationale") or ""),
@@ -209,7 +218,7 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
     elif kind == "code":
         repair = " (repair)" if data.get("repair") else ""
         lines = f"{data['lines']} lines" if data.get("lines") is not None else "written"
-        _current(progress).stages.append(Stage("code", "info", lines + repair))
+        _of_candidate(progress, data).stages.append(Stage("code", "info", lines + repair))
     elif kind == "verify":
         _on_verify(progress, data)
     elif kind == "timing":
@@ -224,7 +233,8 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
         detail = "Nsight Compute profile taken" if data.get("available") else "no Nsight Compute profile"
         _current(progress).stages.append(Stage("ncu", state, detail))
     elif kind == "decide":
-        step = _current(progress)
+        step = next((s for s in reversed(progress.steps) if s.number == data.get("step")), None)
+        step = step or _current(progress)
         step.verdict = data.get("verdict") or step.verdict
         step.new_best = bool(data.get("new_best"))
     elif kind == "message":

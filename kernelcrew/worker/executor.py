@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -82,6 +83,8 @@ class CeleryExecutor:
         """Where the last call ran: op, task_id, queue, attempt, hostname, wall_s."""
         self._app: Any = None
         self._redis = store.client(self.settings.broker_url)
+        self._branches: dict[int, CeleryExecutor] = {}
+        self._branch_lock = threading.Lock()
 
     @property
     def app(self) -> Any:
@@ -100,8 +103,36 @@ class CeleryExecutor:
     def profile(self, request: ProfileRequest) -> ProfileResult:
         return self._call("profile", request, ProfileResult)
 
+    def capacity(self, device: str) -> int:
+        """How many calls on ``device`` can run at once: the workers online that serve its queue (at
+        least one: with none, the first call says so)."""
+        try:
+            return max(1, served_queues(list_workers(client=self._redis))[self.route(device)])
+        except (WorkerError, redis.RedisError):
+            return 1
+
+    def branch(self, index: int) -> CeleryExecutor:
+        """An executor for the crew's ``index``-th evaluation side by side with this one's: the same
+        job, GPU and routing, its own Celery app and result listener (a listener is not shared across
+        threads). Kept until :meth:`close`, so each round reuses its connections."""
+        with self._branch_lock:
+            if index not in self._branches:
+                self._branches[index] = CeleryExecutor(
+                    self.settings,
+                    gpu=self.gpu,
+                    queue=self.pinned_queue,
+                    job_id=self.job_id,
+                    poll_s=self.poll_s,
+                )
+            other = self._branches[index]
+            other.queue = other.queue or self.queue  # the job's GPU model, as long as one serves it
+            return other
+
     def close(self) -> None:
         """Release the broker connections (the workers keep their goldens until they are recycled)."""
+        for other in self._branches.values():
+            other.close()
+        self._branches.clear()
         if self._app is not None:
             self._app.close()
             self._app = None

@@ -149,9 +149,12 @@ class Orchestrator:
 
     def _executor(self, job: jobs.Job) -> Any:
         if self.local:
-            from kernelcrew.tools.executor import LocalExecutor
+            from kernelcrew.tools.executor import LocalExecutor, slots_for
 
-            return LocalExecutor(self.settings)
+            device = job.options.get("device") or "cpu"
+            return LocalExecutor(
+                self.settings, slots=slots_for(device, int(job.options.get("parallel") or 1))
+            )
         from kernelcrew.worker.executor import CeleryExecutor
 
         return CeleryExecutor(self.settings, gpu=job.options.get("gpu"), job_id=job.id)
@@ -229,6 +232,7 @@ class Orchestrator:
             quick=bool(opts.get("quick", False)),
             compile_modes=str(opts.get("compile_modes") or "auto"),
             use_kb=bool(opts.get("use_kb", False)),
+            parallel=int(opts.get("parallel") or 1),
         )
 
         def between_steps(step: int) -> list[str]:

@@ -297,6 +297,23 @@ def test_verify_a_correct_and_a_wrong_candidate(workers):
     assert workers["w1"].info().current is None
 
 
+def test_a_rounds_calls_from_two_threads_each_get_their_own_result(workers):
+    from kernelcrew.tools.executor import branch
+
+    executor = CeleryExecutor(W1, job_id="job-round")
+    other = branch(executor, 1)
+    assert other is not executor and other is executor.branch(1) and branch(executor, 0) is executor
+    assert executor.capacity("cpu") == 1  # w1 alone serves the cpu queue: a round of one there
+    good = Call(lambda: executor.verify(request("softmax", "softmax_triton")))
+    wrong = Call(lambda: other.verify(request("softmax", "zeros")))
+    good.start()
+    wrong.start()
+    assert good.result(240).verdict == "pass"
+    assert wrong.result(240).stage == "correctness"  # each thread its own answer, not the other's
+    executor.close()
+    assert executor._branches == {}
+
+
 def test_a_bad_task_comes_back_as_task_error(workers):
     executor = CeleryExecutor(W1)
     bad = request("softmax", "softmax_triton").model_copy(

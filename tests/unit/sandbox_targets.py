@@ -17,6 +17,10 @@ def environment(payload, workdir):
     return {"env": dict(os.environ)}
 
 
+def affinity(payload, workdir):
+    return {"cpus": sorted(os.sched_getaffinity(0))}
+
+
 def raises(payload, workdir):
     raise ValueError("bad value from user code")
 

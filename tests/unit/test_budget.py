@@ -786,3 +786,46 @@ def test_a_reference_at_speed_of_light_gets_no_step_and_ends_with_the_compile_at
     )
     more = replace(s, user_messages=["more steps"])
     assert planner.plan(more, runtime)["plan"] == kernel
+
+
+def test_a_steps_children_stop_where_the_budget_ends_and_the_golden_is_made_whole():
+    from kernelcrew.records import VerifyRequest
+    from tests.conftest import FIXTURES
+
+    executor = LocalExecutor(Settings(sandbox_timeout_s=120))
+    request = dict(
+        task_source=(FIXTURES / "tasks" / "softmax.py").read_text(),
+        device="cpu",
+        precision="strict",
+        seed=5,
+        candidate_source=(FIXTURES / "candidates" / "hangs.py").read_text(),
+    )
+    try:
+        t0 = time.monotonic()
+        # less time than the golden takes: the golden is made anyway, the candidate's child is cut
+        verdict = executor.verify(VerifyRequest(**request, within_s=0.5))
+        assert verdict.verdict == "fail" and verdict.stage == "timeout", verdict
+        assert "the time its caller had left" in verdict.message
+        assert len(executor._goldens) == 1
+        assert time.monotonic() - t0 < 60  # not the sandbox's 120 s
+    finally:
+        executor.close()
+
+
+def test_a_step_may_run_to_the_tolerance_and_an_unanswered_runs_first_to_twice_the_budget():
+    from kernelcrew.agents.planner import FIRST_STEP_CAP, GRACE, step_end
+    from kernelcrew.agents.state import step_within_s
+
+    step = PlanStep(strategy="row_reduction", rationale="r", expected_gain=1.5)
+    now = time.time()
+    state = CrewState(
+        task_source="x", options=Options(device="cuda", time_budget_s=100.0), started_at=now - 40
+    )
+    assert step_end(state) == pytest.approx(now - 40 + 100 * FIRST_STEP_CAP)
+    later = replace(state, iterations=[{"step": 1, "verdict": "fail"}])
+    assert step_end(later) == pytest.approx(now - 40 + 100 * (1 + GRACE))
+    running = replace(later, plan=step, step_ends_at=step_end(later))
+    assert step_within_s(running) == pytest.approx(100 * (1 + GRACE) - 40, abs=1)
+    assert step_within_s(replace(running, plan=None)) is None  # no step under way
+    spent = replace(running, step_ends_at=now - 5)
+    assert step_within_s(spent) == 1.0  # at least a second: the step fails at once, with its reason
