@@ -615,7 +615,7 @@ def _seconds_left(state: CrewState) -> float:
 #: How far past its budget a run without an answer may go for its first step, as a multiple of the
 #: budget: such a step starts however heavy the task (the run has nothing else to give), but it is
 #: stopped there. On the H200 a torch.compile max-autotune step of ResNet101 ran 414 s of a 90 s
-#: budget; the longest first step that gave an answer ended its run at 1.8 times the budget.
+#: budget; on the H100 the longest first step that gave an answer ended its run at 1.8 times it.
 FIRST_STEP_CAP = 2.0
 
 

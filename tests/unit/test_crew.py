@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from kernelcrew.agents.state import Candidate, CrewState, Options, PlanStep
 from kernelcrew.config import Settings
 from kernelcrew.records import Report
 from kernelcrew.tools.correctness import verify
+from kernelcrew.tools.executor import LocalExecutor
 from kernelcrew.tools.packaging import MARKER, custom_op_name, unpack
 from tests.conftest import FIXTURES
 
@@ -45,17 +47,42 @@ def request(**kw) -> OptimizeRequest:
     return OptimizeRequest(**{**base, **kw})
 
 
+class SideBySide(LocalExecutor):
+    """A LocalExecutor of two slots whose verify calls must meet: a round that verified one step
+    after the other would leave the first call waiting until its barrier breaks."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings, slots=[None, None])
+        self.met = threading.Barrier(2, timeout=300)
+        self.threads: set[str] = set()
+        self.events: list[dict] = []
+
+    def verify(self, request):
+        self.threads.add(threading.current_thread().name)
+        self.met.wait()
+        return super().verify(request)
+
+
 @pytest.fixture(scope="module")
 def playbook_run(tmp_path_factory):
-    """One playbook run shared by the tests that read its outputs."""
+    """One playbook run shared by the tests that read its outputs: its two steps are one round,
+    evaluated side by side (``test_the_two_steps_of_a_round_ran_side_by_side``)."""
     root = tmp_path_factory.mktemp("crew")
     s = Settings(data_dir=root / "data")
-    report = report_json(run_optimize(request(out=root / "out"), settings=s))
-    return report, root / "out", s
+    executor = SideBySide(s)
+    report = report_json(
+        run_optimize(
+            request(out=root / "out", parallel=2),
+            settings=s,
+            executor=executor,
+            on_event=executor.events.append,
+        )
+    )
+    return report, root / "out", s, executor
 
 
 def test_playbook_run_returns_a_verified_own_kernel(playbook_run):
-    report, out, _ = playbook_run
+    report, out, _, _ = playbook_run
     assert report["status"] == "verified_cpu_only"
     assert report["best"]["strategy"] == "fused_pointwise" and report["best"]["kind"] == "kernel"
     strategies = [it["strategy"] for it in report["iterations"]]
@@ -74,8 +101,16 @@ def test_playbook_run_returns_a_verified_own_kernel(playbook_run):
     assert "fused_pointwise" in (out / "report.md").read_text()
 
 
+def test_the_two_steps_of_a_round_ran_side_by_side(playbook_run):
+    report, _, _, executor = playbook_run
+    assert [e["steps"] for e in executor.events if e["kind"] == "round"] == [2]
+    assert len(executor.threads) == 2  # each step verified from its own thread, both at once
+    rows = report["iterations"]
+    assert [(r["step"], r["id"], r["round"]) for r in rows] == [(1, "c1", 1), (2, "c2", 1)]
+
+
 def test_the_baseline_ranks_kernels_in_its_timing_child_and_says_where_its_time_went(playbook_run):
-    report, out, _ = playbook_run
+    report, out, _, _ = playbook_run
     base = report["baseline"]
     assert base["hotspots"] and base["hotspots"][0]["name"].startswith("aten::")
     phases = base["phase_s"]
@@ -87,14 +122,14 @@ def test_the_baseline_ranks_kernels_in_its_timing_child_and_says_where_its_time_
 
 
 def test_best_py_passes_the_verifier_again(playbook_run):
-    _, out, _ = playbook_run
+    _, out, _, _ = playbook_run
     verdict = verify(POINTWISE.read_text(), (out / "best.py").read_text())
     assert verdict.passed and verdict.kind == "kernel"
     assert "packaging" in [c["name"] for c in verdict.checks], "best.py carries its torch.compile packaging"
 
 
 def test_best_py_of_an_own_kernel_is_a_custom_op(playbook_run):
-    report, out, _ = playbook_run
+    report, out, _, _ = playbook_run
     op = report["best"]["packaging"]["custom_op"]
     assert op and op.startswith("kernelcrew_") and op.endswith("::forward")
     assert custom_op_name((out / "best.py").read_text()) == op
@@ -103,7 +138,7 @@ def test_best_py_of_an_own_kernel_is_a_custom_op(playbook_run):
 
 def test_a_run_starts_from_an_earlier_best_py_without_its_packaging(playbook_run, tmp_path):
     """--start with a packaged best.py: the kernels are the start, the block is not carried along."""
-    _, out, s = playbook_run
+    _, out, s, _ = playbook_run
     report = report_json(
         run_optimize(request(start=out / "best.py", max_iters=1, out=tmp_path / "again"), settings=s)
     )
@@ -115,7 +150,7 @@ def test_a_run_starts_from_an_earlier_best_py_without_its_packaging(playbook_run
 
 
 def test_finished_run_continues_with_a_message(playbook_run):
-    report, out, s = playbook_run
+    report, out, s, _ = playbook_run
     again = report_json(
         run_optimize(
             request(

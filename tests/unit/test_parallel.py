@@ -13,7 +13,7 @@ import pytest
 from kernelcrew.agents.decide import decide
 from kernelcrew.agents.graph import serializer
 from kernelcrew.agents.planner import plan
-from kernelcrew.agents.run import OptimizeRequest, round_size, run_optimize
+from kernelcrew.agents.run import round_size
 from kernelcrew.agents.state import Candidate, CrewState, Options, PlanStep, apply_update, merge_updates
 from kernelcrew.config import Settings
 from kernelcrew.tools import sandbox
@@ -183,49 +183,6 @@ def test_a_round_in_the_state_survives_the_checkpointers_serializer():
     serde = serializer()
     back = serde.loads_typed(serde.dumps_typed(state))
     assert back.batch == [step] and back.evaluated[0]["draft"].speedup_eager == 1.2
-
-
-class _SideBySide(LocalExecutor):
-    """A LocalExecutor whose verify calls must meet: a round that verified one step after the
-    other would leave the first call waiting until its barrier breaks."""
-
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings, slots=[None, None])
-        self.met = threading.Barrier(2, timeout=300)
-        self.threads: set[str] = set()
-
-    def verify(self, request):
-        self.threads.add(threading.current_thread().name)
-        self.met.wait()
-        return super().verify(request)
-
-
-def test_a_run_with_two_slots_verifies_a_rounds_two_steps_side_by_side(tmp_path):
-    settings = Settings(data_dir=tmp_path / "data")
-    executor = _SideBySide(settings)
-    events: list[dict] = []
-    report = run_optimize(
-        OptimizeRequest(
-            task=POINTWISE,
-            device="cpu",
-            max_iters=2,
-            quick=True,
-            compile_modes="none",
-            backend="playbook",
-            parallel=2,
-            use_kb=False,
-            out=tmp_path / "out",
-        ),
-        settings=settings,
-        executor=executor,
-        on_event=events.append,
-    )
-    assert [e["steps"] for e in events if e["kind"] == "round"] == [2]
-    assert len(executor.threads) == 2  # each step from its own thread
-    rows = report.model_dump(mode="json")["iterations"]
-    assert [r["step"] for r in rows] == [1, 2] and {r["id"] for r in rows} == {"c1", "c2"}
-    assert all(r["verdict"] == "pass" for r in rows)
-    assert report.best is not None and report.best.kind == "kernel"
 
 
 @pytest.mark.parametrize(
