@@ -327,7 +327,8 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
 
     A strategy the user asked to try comes first; before anything verified the menu's order holds
     (the knowledge base's and the playbook's), so the first step is the menu's first that fits.
-    With none that fits, the menu's first comes back (``plan`` then stops with the budget's reason).
+    With none that fits, the one expected to take the least time comes back (``plan`` then stops
+    with the budget's reason, unless the run has no answer and no step yet).
     """
     from kernelcrew.agents import playbook
 
@@ -356,8 +357,11 @@ def _plan_with_playbook(state: CrewState, prefs: dict[str, Any]) -> PlanStep | N
         # compiler's own among them) go ahead of more configurations of those that lost
         menu.sort(key=lambda s: s.strategy in attempted)  # stable: the menu's order otherwise
     fitting = [s for s in menu if _fits_budget(state, s)]
-    if not fitting:  # the first of all; plan() stops the run unless it is the first step
-        return menu[0] if menu else None
+    if not fitting:
+        # the one expected to end first; plan() stops the run unless it is an unanswered run's
+        # first step, which then overruns the least (ResNet101's max-autotune step, first of its
+        # menu, ran 414 s of a 90 s budget on the H200)
+        return min(menu, key=lambda s: expected_seconds(state, s)) if menu else None
     recombinable = {s.strategy for s in allowed}
     for recombine in (True, False):
         proposal = search.propose(

@@ -517,8 +517,9 @@ def test_no_step_starts_that_would_end_past_the_time_budget():
 
 def test_the_playbook_takes_the_first_step_that_fits(monkeypatch):
     """A max-autotune step first in the menu that would end past the budget is passed over for
-    the kernel step after it; with nothing that fits, the first step comes back (plan() then
-    stops the run with the budget's reason)."""
+    the kernel step after it; with nothing that fits, the step expected to end first comes back
+    (plan() then stops the run with the budget's reason, unless it is an unanswered run's first
+    step: that one should overrun the least)."""
     from kernelcrew.agents import planner
     from kernelcrew.agents.state import CrewState, Options, PlanStep
 
@@ -535,8 +536,9 @@ def test_the_playbook_takes_the_first_step_that_fits(monkeypatch):
     prefs = {"only_kernels": False, "try": [], "skip": set(), "more": 0, "stop": False}
     assert planner._plan_with_playbook(state, prefs) == kernel
     state.options.time_budget_s = 90.0
-    assert planner._plan_with_playbook(state, prefs) == autotune
-    assert not planner._fits_budget(state, autotune)
+    assert planner._plan_with_playbook(state, prefs) == kernel  # not the menu's first
+    assert not planner._fits_budget(state, autotune) and not planner._fits_budget(state, kernel)
+    assert planner.expected_seconds(state, kernel) < planner.expected_seconds(state, autotune)
 
 
 def test_a_best_slower_than_the_compiler_sends_the_playbook_to_untried_strategies(monkeypatch):
