@@ -112,7 +112,7 @@ def test_a_round_plans_distinct_steps_up_to_parallel_and_the_steps_left(monkeypa
     monkeypatch.setattr(planner, "task_hits", lambda state, ctx: [])
     monkeypatch.setattr(
         "kernelcrew.agents.playbook.STRATEGIES",
-        {s: SimpleNamespace(source_kind="kernel") for s in "abcd"},
+        {s: SimpleNamespace(source_kind="kernel", cost=1.0, options=()) for s in "abcd"},
     )
     runtime = SimpleNamespace(context=SimpleNamespace(chat=None, emit=lambda *a, **k: None))
     out = plan(_gpu_state(), runtime)
