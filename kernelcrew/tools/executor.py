@@ -97,7 +97,7 @@ def slots_for(device: str, requested: int | None = None) -> list[str | None]:
 
         names = [str(i) for i in range(torch.cuda.device_count())]
     names = names[: requested or len(names)]
-    return list(names) if len(names) > 1 else [None]
+    return names if len(names) > 1 else [None]
 
 
 def split_cores(parts: int) -> list[frozenset[int] | None]:

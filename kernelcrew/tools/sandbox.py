@@ -1342,9 +1342,10 @@ class _Child:
         s = settings or get_settings()
         limits = limits or SandboxLimits.from_settings(s)
         deadline = _deadline.get()
-        cut = deadline is not None and deadline - time.monotonic() < limits.wall_s
+        left = None if deadline is None else deadline - time.monotonic()
+        cut = left is not None and left < limits.wall_s
         if cut:
-            limits = replace(limits, wall_s=round(max(1.0, deadline - time.monotonic()), 1))
+            limits = replace(limits, wall_s=round(max(1.0, left), 1))
         boxed = s.sandbox == "bwrap"
         if boxed:
             ready, box_reason = bwrap_status(s)

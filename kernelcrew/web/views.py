@@ -156,12 +156,16 @@ class Progress:
         return bests[-1] if bests else None
 
 
-def _of_candidate(progress: Progress, data: dict[str, Any]) -> Step:
-    """The step of the event's candidate (``c3``, its repair ``c3r1`` or sample ``c3s2``: step 3):
-    a round's steps run side by side, so their events interleave. Else the last one planned."""
-    found = re.match(r"c(\d+)", str(data.get("candidate") or ""))
-    number = int(found.group(1)) if found else None
+def _numbered(progress: Progress, number: int | None) -> Step:
+    """The step of that number (a round's steps run side by side, so their events interleave);
+    else the last one planned."""
     return next((s for s in reversed(progress.steps) if s.number == number), None) or _current(progress)
+
+
+def _of_candidate(progress: Progress, data: dict[str, Any]) -> Step:
+    """The step of the event's candidate: ``c3``, its repair ``c3r1`` or sample ``c3s2`` is step 3."""
+    found = re.match(r"c(\d+)", str(data.get("candidate") or ""))
+    return _numbered(progress, int(found.group(1)) if found else None)
 
 
 def _current(progress: Progress, strategy: str = "") -> Step:
@@ -233,8 +237,7 @@ def _on_event(progress: Progress, seq: int, kind: str, data: dict[str, Any]) -> 
         detail = "Nsight Compute profile taken" if data.get("available") else "no Nsight Compute profile"
         _current(progress).stages.append(Stage("ncu", state, detail))
     elif kind == "decide":
-        step = next((s for s in reversed(progress.steps) if s.number == data.get("step")), None)
-        step = step or _current(progress)
+        step = _numbered(progress, data.get("step"))
         step.verdict = data.get("verdict") or step.verdict
         step.new_best = bool(data.get("new_best"))
     elif kind == "message":
